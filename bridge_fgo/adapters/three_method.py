@@ -1,0 +1,54 @@
+"""Megatron-Core's dev-line three-method offloader (2026-01..2026-08).
+
+DistributedOptimizer.offload_states() / .release_offloaded_gpu_states() / .reload_offloaded_states()
+forward to an OptimizerStateOffloader built when cfg.optimizer.offload_optimizer_states is set.
+That line only orders the reload before the optimizer step inside step_with_ready_grads(), which a
+skipped step never reaches; the Session's guards and wait_reload() here cover what it lacks.
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+from ..generations import THREE_METHOD
+from ..session import Adapter
+
+
+def _offloaders(dist_optimizer) -> List[object]:
+    # The offloader's attribute name is private to Megatron-Core; find it by what it can do.
+    return [v for v in vars(dist_optimizer).values() if callable(getattr(v, "sync_before_step", None))]
+
+
+class ThreeMethodAdapter(Adapter):
+    name = THREE_METHOD
+
+    def __init__(self, dist_optimizers: List[object]):
+        self.dist_optimizers = list(dist_optimizers)
+
+    def offload(self) -> Optional[int]:
+        for opt in self.dist_optimizers:
+            opt.offload_states()
+        return None
+
+    def release(self) -> None:
+        for opt in self.dist_optimizers:
+            opt.release_offloaded_gpu_states()
+
+    def reload(self) -> Optional[int]:
+        for opt in self.dist_optimizers:
+            opt.reload_offloaded_states()
+        return None
+
+    def wait_reload(self) -> None:
+        waited = False
+        for opt in self.dist_optimizers:
+            for off in _offloaders(opt):
+                off.sync_before_step()
+                waited = True
+        if not waited and self.dist_optimizers:
+            import torch
+
+            if torch.cuda.is_available():  # no handle on the copy stream: wait for everything
+                torch.cuda.synchronize()
+
+    def describe(self):
+        return {"optimizers": len(self.dist_optimizers)}

@@ -1,0 +1,142 @@
+"""The three call sites, as wrapt wrappers around Bridge's functions.
+
+- train / train_step: decide once per optimizer (refusing bad configurations before the first step),
+  install the finalize wrapper, and make the Session current while the step runs.
+- the param-buffer copy helper (_handle_mxfp8_param_buffer_copy, called once per forward-backward
+  pass inside train_step's rerun loop): offload before it, release after it. The copy reads the fp32
+  master weights, so release must come after; forward_backward_func follows right away.
+- model_config.finalize_model_grads_func: reload, overlapping gradient finalization, then wait for
+  it before anything (the optimizer step) can read the states.
+
+Every wrapper passes its arguments through untouched: Bridge's signatures drift between versions.
+After unpatch() a wrapper still referenced somewhere (a running train(), a user's variable) is
+transparent.
+"""
+from __future__ import annotations
+
+import contextvars
+from typing import List, Optional
+
+import wrapt
+
+from . import decide
+from .errors import BridgeFGOConfigError
+from .options import Options
+from .session import Registry, Session
+from .targets import TRAIN, TRAIN_STEP, Layout, argument
+
+
+class ReloadingFinalize(wrapt.FunctionWrapper):
+    """The finalize wrapper's own type: how bridge_fgo recognises it and never wraps it twice."""
+
+
+def is_reloading_finalize(func, owner=None) -> bool:
+    """True for bridge_fgo's finalize wrapper (installed by `owner`, when given)."""
+    if not isinstance(func, ReloadingFinalize):
+        return False
+    return owner is None or getattr(func._self_wrapper, "__self__", None) is owner
+
+
+class CallSites:
+    def __init__(self, options: Options, layout: Layout):
+        self.options = options
+        self.index = layout.param_index
+        self.registry = Registry()
+        self.enabled = True
+        self.wrapped_configs: List[object] = []
+        self._current: contextvars.ContextVar = contextvars.ContextVar("bridge_fgo_session", default=None)
+
+    # -- deciding ---------------------------------------------------------------------------------
+    def _session(self, which: str, args, kwargs) -> Optional[Session]:
+        optimizer = argument(self.index[which], "optimizer", args, kwargs)
+        if optimizer is None:
+            return None
+        known, session = self.registry.lookup(optimizer)
+        if known:
+            return session
+        state = argument(self.index[which], "global_state", args, kwargs)
+        return self.registry.add(optimizer, decide.resolve(getattr(state, "cfg", None), optimizer, self.options))
+
+    def _install_finalize(self, model) -> None:
+        from megatron.core.utils import get_model_config
+
+        config = get_model_config(model[0])
+        func = config.finalize_model_grads_func
+        if is_reloading_finalize(func, owner=self):
+            return
+        if func is None:
+            raise BridgeFGOConfigError(
+                "model_config.finalize_model_grads_func is None: optimizer states are brought back from "
+                "gradient finalization, so it must be set (Bridge's setup binds finalize_model_grads)"
+            )
+        config.finalize_model_grads_func = ReloadingFinalize(func, self._finalize)
+        self.wrapped_configs.append(config)
+
+    # -- wrappers ---------------------------------------------------------------------------------
+    def train(self, wrapped, instance, args, kwargs):
+        session = self._session(TRAIN, args, kwargs) if self.enabled else None
+        if session is None:
+            return wrapped(*args, **kwargs)
+        session.prepare()
+        self._install_finalize(argument(self.index[TRAIN], "model", args, kwargs))
+        ok = False
+        try:
+            result = wrapped(*args, **kwargs)
+            ok = True
+            return result
+        finally:
+            session.ensure_resident()
+            if ok:
+                session.summary(requested=True, strict=self.options.strict)
+            else:
+                try:
+                    session.summary(requested=True, strict=False)
+                except Exception:  # never mask the training exception
+                    pass
+
+    def train_step(self, wrapped, instance, args, kwargs):
+        session = self._session(TRAIN_STEP, args, kwargs) if self.enabled else None
+        if session is None:
+            return wrapped(*args, **kwargs)
+        session.prepare()
+        self._install_finalize(argument(self.index[TRAIN_STEP], "model", args, kwargs))
+        token = self._current.set(session)
+        try:
+            result = wrapped(*args, **kwargs)
+        finally:
+            self._current.reset(token)
+            session.ensure_resident()
+        session.steps += 1
+        session.announce_first_step()
+        return result
+
+    def copy_helper(self, wrapped, instance, args, kwargs):
+        session = self._current.get() if self.enabled else None
+        if session is None:
+            return wrapped(*args, **kwargs)
+        session.offload()
+        result = wrapped(*args, **kwargs)
+        session.release()
+        return result
+
+    def _finalize(self, wrapped, instance, args, kwargs):
+        session = self._current.get() if self.enabled else None
+        if session is None:
+            return wrapped(*args, **kwargs)
+        session.reload_begin()
+        try:
+            return wrapped(*args, **kwargs)
+        finally:
+            session.reload_end()
+
+    # -- undoing ----------------------------------------------------------------------------------
+    def close(self) -> None:
+        """States resident, host buffers dropped, finalize functions restored, wrappers transparent."""
+        for session in self.registry.clear():
+            session.close()
+        for config in self.wrapped_configs:
+            func = getattr(config, "finalize_model_grads_func", None)
+            if is_reloading_finalize(func, owner=self):
+                config.finalize_model_grads_func = func.__wrapped__
+        self.wrapped_configs.clear()
+        self.enabled = False

@@ -1,0 +1,178 @@
+"""One optimizer's offload across a training run: the guards every generation shares, and counters.
+
+The call sites only ever talk to a Session. It keeps the invariant that makes offload safe whatever
+happens (skipped step, exception, checkpoint save, unpatch): outside train_step, and from gradient
+finalization on, the optimizer states are resident on the GPU and readable on the current stream.
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Dict, List, Optional, Tuple
+
+from .log import logger, rank_prefix
+
+RESIDENT, OFFLOADED, RELEASED, RELOADING = "resident", "offloaded", "released", "reloading"
+
+
+class Adapter:
+    """How one Megatron-Core generation (or the builtin engine) moves states. Subclasses override."""
+
+    name = "adapter"
+
+    def prepare(self) -> None:
+        """Before the first step (e.g. allocate host buffers)."""
+
+    def offload(self) -> Optional[int]:
+        """Start copying states to the host; bytes moved if known."""
+        raise NotImplementedError
+
+    def release(self) -> None:
+        """Free the GPU storage of offloaded states (after the device-to-host copy is ordered)."""
+        raise NotImplementedError
+
+    def reload(self) -> Optional[int]:
+        """Start bringing states back (from released, or offloaded-but-not-released)."""
+        raise NotImplementedError
+
+    def wait_reload(self) -> None:
+        """Make the current stream wait for the reload, so anything after reads whole states."""
+
+    def describe(self) -> Dict[str, object]:
+        return {}
+
+    def close(self) -> None:
+        """Drop host resources; states are resident when this is called."""
+
+
+class Session:
+    def __init__(self, optimizer, adapter: Adapter, mode: str):
+        self.optimizer_ref = weakref.ref(optimizer)
+        self.adapter = adapter
+        self.mode = mode
+        self.state = RESIDENT
+        self.counts = {"offload": 0, "release": 0, "reload": 0}
+        self.bytes_offloaded = 0
+        self.bytes_reloaded = 0
+        self.steps = 0
+        self.announced = False
+        self.prepared = False
+        self.lock = threading.Lock()
+
+    # -- the three call sites ------------------------------------------------------------------
+    def offload(self) -> None:
+        if self.state in (OFFLOADED, RELEASED):
+            # The host copy is already current (no optimizer step since): copying again would read
+            # released storage, the dev-line offloader's illegal-memory-access defect.
+            return
+        if self.state == RELOADING:
+            self.adapter.wait_reload()
+        moved = self.adapter.offload()
+        self.state = OFFLOADED
+        self.counts["offload"] += 1
+        self.bytes_offloaded += moved or 0
+
+    def release(self) -> None:
+        if self.state != OFFLOADED:
+            return
+        self.adapter.release()
+        self.state = RELEASED
+        self.counts["release"] += 1
+
+    def reload_begin(self) -> None:
+        if self.state not in (OFFLOADED, RELEASED):
+            return
+        moved = self.adapter.reload()
+        self.state = RELOADING
+        self.counts["reload"] += 1
+        self.bytes_reloaded += moved or 0
+
+    def reload_end(self) -> None:
+        if self.state == RELOADING:
+            self.adapter.wait_reload()
+            self.state = RESIDENT
+
+    def ensure_resident(self) -> None:
+        """Whatever happened, leave states whole on the GPU (train_step exit, train end, unpatch)."""
+        self.reload_begin()
+        self.reload_end()
+
+    # -- reporting ------------------------------------------------------------------------------
+    def prepare(self) -> None:
+        if not self.prepared:
+            self.adapter.prepare()
+            self.prepared = True
+
+    def snapshot(self) -> Dict[str, object]:
+        return {
+            "mode": self.mode,
+            "state": self.state,
+            "steps": self.steps,
+            "calls": dict(self.counts),
+            "bytes_offloaded": self.bytes_offloaded,
+            "bytes_reloaded": self.bytes_reloaded,
+            **self.adapter.describe(),
+        }
+
+    def announce_first_step(self) -> None:
+        if self.announced:
+            return
+        self.announced = True
+        d = self.adapter.describe()
+        logger.info(
+            "%soffload active: mode=%s, %s optimizer(s), %s tensor(s), %s bytes offloaded per step",
+            rank_prefix(), self.mode, d.get("optimizers", "?"), d.get("tensors", "?"),
+            d.get("bytes", self.bytes_offloaded or "?"),
+        )
+
+    def summary(self, requested: bool, strict: bool) -> None:
+        c = self.counts
+        logger.info(
+            "%soffload summary: mode=%s, steps=%d, offload=%d release=%d reload=%d calls, "
+            "%d bytes offloaded, %d bytes reloaded",
+            rank_prefix(), self.mode, self.steps, c["offload"], c["release"], c["reload"],
+            self.bytes_offloaded, self.bytes_reloaded,
+        )
+        if requested and self.steps and c["offload"] == 0:
+            msg = (f"{rank_prefix()}offload was requested (mode={self.mode}) but no offload happened in "
+                   f"{self.steps} training step(s)")
+            if strict:
+                from .errors import BridgeFGOError
+
+                raise BridgeFGOError(msg)
+            logger.warning(msg)
+
+    def close(self) -> None:
+        self.ensure_resident()
+        self.adapter.close()
+
+
+class Registry:
+    """What was decided per optimizer (a Session, or None for "not offloading"), without keeping
+    optimizers alive."""
+
+    def __init__(self):
+        self._by_id: Dict[int, tuple] = {}
+        self._lock = threading.Lock()
+
+    def lookup(self, optimizer) -> Tuple[bool, Optional[Session]]:
+        entry = self._by_id.get(id(optimizer))
+        if entry is not None and entry[0]() is optimizer:
+            return True, entry[1]
+        return False, None
+
+    def add(self, optimizer, session: Optional[Session]) -> Optional[Session]:
+        with self._lock:
+            key = id(optimizer)
+            self._by_id[key] = (weakref.ref(optimizer), session)
+            # drop the entry when the optimizer goes away, so a reused id never matches
+            weakref.finalize(optimizer, self._by_id.pop, key, None)
+        return session
+
+    def sessions(self) -> List[Session]:
+        return [e[1] for e in list(self._by_id.values()) if e[1] is not None and e[0]() is not None]
+
+    def clear(self) -> List[Session]:
+        with self._lock:
+            sessions, self._by_id = self.sessions(), {}
+        return sessions

@@ -1,0 +1,187 @@
+"""Run Megatron-Bridge's real train_step with CPU stand-ins, as Bridge's own unit tests do.
+
+Stand-ins replace only what needs a GPU or a cluster: the model chunk, the optimizer's step, the
+forward-backward schedule (it calls finalize_model_grads_func exactly as Megatron-Core's schedules
+do), and the rerun state machine / microbatch calculator. The DistributedOptimizer is a real
+subclass instance of Megatron-Core's class (its constructor, which needs a GPU model, is skipped),
+and the param-buffer copy goes through Bridge's real _handle_mxfp8_param_buffer_copy.
+
+Every stand-in appends what it does to `events`, so the call order can be read back.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import types
+from typing import Callable, List, Optional
+from unittest import mock
+
+TRAIN_MODULE = "megatron.bridge.training.train"
+PG_COLLECTION = types.SimpleNamespace(name="pg_collection")
+
+
+class Recorder(list):
+    def add(self, event: str) -> None:
+        self.append(event)
+
+
+class ModelChunk:
+    def __init__(self, config, events: Recorder):
+        self.config = config
+        self.events = events
+        # a registered forward pre-hook: Bridge's copy helper then does the param-buffer copy
+        self.remove_forward_pre_hook_handles = {"hook": object()}
+
+    def zero_grad_buffer(self):
+        self.events.add("zero_grad_buffer")
+
+
+def make_distributed_optimizer(events: Recorder, state_tensors=None):
+    """A real megatron.core DistributedOptimizer instance without its GPU-bound constructor."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    class StandInDistributedOptimizer(DistributedOptimizer):
+        def __init__(self):  # noqa: D401 - the real one needs a model and a GPU
+            self.events = events
+
+        def _copy_main_params_to_param_buffer(self):
+            self.events.add("param-buffer copy")
+
+    return StandInDistributedOptimizer()
+
+
+class ChainedOptimizer:
+    """The outer optimizer train_step sees (Bridge builds Megatron-Core's ChainedOptimizer)."""
+
+    def __init__(self, chained, events: Recorder, config=None, step_result=(True, 1.0, 0)):
+        self.chained_optimizers = list(chained)
+        self.events = events
+        self.config = config
+        self.step_result = step_result
+
+    def zero_grad(self, set_to_none=True):
+        self.events.add("zero_grad")
+
+    def step(self):
+        self.events.add("step")
+        return self.step_result
+
+
+def finalize_recorder(events: Recorder):
+    """Bridge's setup binds partial(finalize_model_grads, pg_collection=...); so does this."""
+
+    def finalize_model_grads(model, num_tokens=None, pg_collection=None, force_all_reduce=False):
+        events.add(f"finalize(pg_collection={getattr(pg_collection, 'name', pg_collection)})")
+
+    return functools.partial(finalize_model_grads, pg_collection=PG_COLLECTION)
+
+
+def forward_backward_func(events: Recorder, fail: Optional[BaseException] = None):
+    def schedule(*, forward_step_func, data_iterator, model, num_microbatches, seq_length, micro_batch_size,
+                 decoder_seq_length=None, forward_only=False, adjust_tensor_shapes_fn=None, p2p_communicator=None,
+                 pg_collection=None, **_):
+        events.add("forward-backward")
+        if fail is not None:
+            raise fail
+        config = model[0].config
+        # Megatron-Core's schedules call it exactly so (pipeline_parallel/schedules.py)
+        if config.finalize_model_grads_func is not None and not forward_only:
+            config.finalize_model_grads_func(model, None, pg_collection=pg_collection, force_all_reduce=False)
+        return [{}]
+
+    return schedule
+
+
+def optimizer_config(**overrides):
+    """Bridge's real OptimizerConfig (Megatron-Core's subclass), adam + distributed optimizer."""
+    from megatron.bridge.training.config import OptimizerConfig
+
+    cfg = OptimizerConfig(optimizer="adam", lr=1e-4, use_distributed_optimizer=True)
+    for key, value in overrides.items():
+        setattr(cfg, key, value)  # offload_optimizer_states too, where Megatron-Core has no such field
+    return cfg
+
+
+def config_container(optimizer_cfg=None, **sections):
+    ns = types.SimpleNamespace
+    cfg = ns(
+        train=ns(micro_batch_size=1, empty_unused_memory_level=0, check_optimizer_step_success=False,
+                 skip_sync_grad_norm_across_mp=True),
+        optimizer=optimizer_cfg if optimizer_cfg is not None else optimizer_config(),
+        ddp=ns(overlap_param_gather=True, use_megatron_fsdp=False),
+        dist=ns(use_decentralized_pg=True, use_megatron_fsdp=False),
+        model=ns(seq_length=8, cuda_graph_impl="none", cuda_graph_scope=None),
+        dataset=ns(dataloader_type="single"),
+        data_parallel_size=1,
+    )
+    cfg.optimizer.reuse_grad_buf_for_mxfp8_param_ag = True  # take the helper's real copy path
+    for name, value in sections.items():
+        setattr(cfg, name, value)
+    return cfg
+
+
+class _Timer:
+    def start(self, barrier=False):
+        pass
+
+    def stop(self):
+        pass
+
+
+class Rig:
+    """Everything one call of the real train_step needs."""
+
+    def __init__(self, cfg=None, events: Optional[Recorder] = None, fail: Optional[BaseException] = None,
+                 step_result=(True, 1.0, 0)):
+        self.events = events if events is not None else Recorder()
+        self.cfg = cfg if cfg is not None else config_container()
+        self.model_config = types.SimpleNamespace(
+            finalize_model_grads_func=finalize_recorder(self.events), seq_length=8)
+        self.model = [ModelChunk(self.model_config, self.events)]
+        self.dist_optimizer = make_distributed_optimizer(self.events)
+        self.optimizer = ChainedOptimizer([self.dist_optimizer], self.events, step_result=step_result)
+        self.scheduler = types.SimpleNamespace(step=lambda increment: self.events.add("scheduler.step"))
+        self.global_state = types.SimpleNamespace(cfg=self.cfg, timers=lambda *a, **k: _Timer())
+        self.forward_backward_func = forward_backward_func(self.events, fail)
+        self.p2p = types.SimpleNamespace(is_pp_last_stage=False)  # skips the loss all-reduce
+
+    def args(self):
+        return (lambda *a, **k: None, iter(()), self.model, self.optimizer, self.scheduler, self.global_state,
+                PG_COLLECTION, self.forward_backward_func, self.p2p)
+
+
+@contextlib.contextmanager
+def cpu_train_module(reruns: int = 1):
+    """Patch what train_step needs a cluster for: microbatches and the rerun state machine."""
+    import megatron.bridge.training.train as train_module
+
+    state = {"left": reruns}
+
+    def should_run_forward_backward(data_iterator):
+        state["left"] -= 1
+        return state["left"] >= 0
+
+    machine = types.SimpleNamespace(
+        should_run_forward_backward=should_run_forward_backward,
+        should_checkpoint_and_exit=lambda: (False, False, 0),
+    )
+
+    def reset(n: int = 1):
+        state["left"] = n
+
+    with mock.patch.object(train_module, "get_num_microbatches", lambda: 1), \
+            mock.patch.object(train_module, "get_rerun_state_machine", lambda: machine):
+        yield reset
+
+
+def run_steps(rig: Rig, steps: int = 1, reruns: int = 1, train_step: Optional[Callable] = None) -> List[tuple]:
+    """Call the (possibly patched) real train_step `steps` times; returns its results."""
+    import megatron.bridge.training.train as train_module
+
+    out = []
+    with cpu_train_module(reruns) as reset:
+        for _ in range(steps):
+            reset(reruns)
+            fn = train_step or train_module.train_step
+            out.append(fn(*rig.args()))
+    return out
