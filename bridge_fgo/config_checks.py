@@ -55,8 +55,8 @@ def problems(cfg, inner_optimizers: List[object], dist_optimizers: List[object],
     model_cfg = getattr(cfg, "model", None)
     if model_cfg is not None and _full_iteration_cuda_graph(model_cfg):
         out.append(
-            "cfg.model.cuda_graph_scope includes full_iteration: a full-iteration CUDA graph cannot contain "
-            "the host copies; use a narrower cuda_graph_scope"
+            "cfg.model.cuda_graph_impl / cuda_graph_scope select a full_iteration CUDA graph, which cannot "
+            "contain the host copies; use a narrower cuda_graph_scope or cuda_graph_impl='none'"
         )
     return out
 

@@ -151,7 +151,7 @@ class Rig:
 
 
 @contextlib.contextmanager
-def cpu_train_module(reruns: int = 1):
+def cpu_train_module(reruns: int = 1, checkpoint_and_exit=(False, False, 0)):
     """Patch what train_step needs a cluster for: microbatches and the rerun state machine."""
     import megatron.bridge.training.train as train_module
 
@@ -163,7 +163,7 @@ def cpu_train_module(reruns: int = 1):
 
     machine = types.SimpleNamespace(
         should_run_forward_backward=should_run_forward_backward,
-        should_checkpoint_and_exit=lambda: (False, False, 0),
+        should_checkpoint_and_exit=lambda: checkpoint_and_exit,
     )
 
     def reset(n: int = 1):
@@ -174,12 +174,13 @@ def cpu_train_module(reruns: int = 1):
         yield reset
 
 
-def run_steps(rig: Rig, steps: int = 1, reruns: int = 1, train_step: Optional[Callable] = None) -> List[tuple]:
+def run_steps(rig: Rig, steps: int = 1, reruns: int = 1, train_step: Optional[Callable] = None,
+              checkpoint_and_exit=(False, False, 0)) -> List[tuple]:
     """Call the (possibly patched) real train_step `steps` times; returns its results."""
     import megatron.bridge.training.train as train_module
 
     out = []
-    with cpu_train_module(reruns) as reset:
+    with cpu_train_module(reruns, checkpoint_and_exit) as reset:
         for _ in range(steps):
             reset(reruns)
             fn = train_step or train_module.train_step

@@ -1,0 +1,67 @@
+"""Tests run against the real megatron-bridge 0.6.2 / megatron-core 0.19.2 on CPU.
+
+Transformer Engine cannot be installed here; the one Bridge module that imports it at module level
+is loaded with that import neutralised (bridge_fgo.testing.te_free), nothing else is faked.
+"""
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+
+from bridge_fgo.testing import te_free
+
+te_free.install()
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPTS = os.path.join(ROOT, "tests", "scripts")
+
+
+@pytest.fixture(autouse=True)
+def _clean_patch(monkeypatch):
+    """Every test starts and ends unpatched, with no BRIDGE_FGO_* variables."""
+    import bridge_fgo
+
+    for key in list(os.environ):
+        if key.startswith("BRIDGE_FGO_"):
+            monkeypatch.delenv(key)
+    bridge_fgo.unpatch()
+    yield
+    bridge_fgo.unpatch()
+
+
+@pytest.fixture
+def train_module():
+    import megatron.bridge.training.train as train_module
+
+    return train_module
+
+
+@pytest.fixture
+def three_method(mocker, train_module):
+    """Megatron-Core as on the dev line of 2026-01..08: the real DistributedOptimizer gains the three
+    methods (each records its call on the stand-in optimizer's event list)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for method, event in (("offload_states", "offload"), ("release_offloaded_gpu_states", "release"),
+                          ("reload_offloaded_states", "reload")):
+        mocker.patch.object(DistributedOptimizer, method, create=True,
+                            new=(lambda ev: lambda self: self.events.add(ev))(event))
+    return DistributedOptimizer
+
+
+@pytest.fixture
+def caplog_fgo(caplog):
+    caplog.set_level(logging.INFO, logger="bridge_fgo")
+    return caplog
+
+
+def run_python(code_or_args, env=None, timeout=300, cwd=None):
+    """Run a fresh interpreter (the venv's), returning the CompletedProcess."""
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("BRIDGE_FGO_")}
+    full_env.update(env or {})
+    full_env.setdefault("PYTHONWARNINGS", "ignore")
+    args = code_or_args if isinstance(code_or_args, list) else ["-c", code_or_args]
+    return subprocess.run([sys.executable, *args], env=full_env, capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd or ROOT)
