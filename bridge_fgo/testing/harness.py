@@ -36,8 +36,12 @@ class ModelChunk:
         self.events.add("zero_grad_buffer")
 
 
-def make_distributed_optimizer(events: Recorder, state_tensors=None):
-    """A real megatron.core DistributedOptimizer instance without its GPU-bound constructor."""
+def make_distributed_optimizer(events: Recorder, with_tensors: bool = False, seed: int = 0):
+    """A real megatron.core DistributedOptimizer instance without its GPU-bound constructor.
+
+    with_tensors: give it what the builtin engine reads, laid out as Megatron-Core does: bf16 model
+    params as views of one param buffer, fp32 master shards that own their storage, an fp32 model
+    param whose shard aliases it, and a real torch AdamW over the shards."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     class StandInDistributedOptimizer(DistributedOptimizer):
@@ -47,7 +51,40 @@ def make_distributed_optimizer(events: Recorder, state_tensors=None):
         def _copy_main_params_to_param_buffer(self):
             self.events.add("param-buffer copy")
 
-    return StandInDistributedOptimizer()
+        def step_states(self):
+            """Adam step on the shards (grads made up, deterministic); what ChainedOptimizer.step does."""
+            import torch
+
+            for t in [*self.shard_fp32_from_float16_groups[0], *self.shard_fp32_groups[0]]:
+                assert t.untyped_storage().nbytes() > 0, "optimizer step read released storage"
+            for group in self.optimizer.param_groups:
+                for p in group["params"]:
+                    for v in self.optimizer.state.get(p, {}).values():
+                        if v.dim():
+                            assert v.untyped_storage().nbytes() > 0, "optimizer step read released state"
+                    p.grad = torch.sin(p.detach() * 3.0 + self._gen)
+            self._gen += 1
+            self.optimizer.step()
+
+    opt = StandInDistributedOptimizer()
+    opt.with_tensors = with_tensors
+    if with_tensors:
+        import torch
+
+        g = torch.Generator().manual_seed(seed)
+        param_buffer = torch.randn(96, generator=g).bfloat16()
+        model16 = [param_buffer[:64].view(8, 8), param_buffer[64:].view(4, 8)]
+        fp32_model = torch.nn.Parameter(torch.randn(16, generator=g))
+        opt.buffers = [types.SimpleNamespace(param_data=param_buffer, grad_data=torch.zeros(96))]
+        opt.model_float16_groups = [model16]
+        opt.model_fp32_groups = [[fp32_model]]
+        opt.shard_fp32_from_float16_groups = [[torch.nn.Parameter(p.detach().view(-1).clone().float())
+                                               for p in model16]]
+        opt.shard_fp32_groups = [[fp32_model.detach().view(-1)[:16]]]  # aliases the model parameter
+        opt.optimizer = torch.optim.AdamW([*opt.shard_fp32_from_float16_groups[0], *opt.shard_fp32_groups[0]],
+                                          lr=1e-2)
+        opt._gen = 0
+    return opt
 
 
 class ChainedOptimizer:
@@ -64,6 +101,10 @@ class ChainedOptimizer:
 
     def step(self):
         self.events.add("step")
+        if self.step_result[0]:
+            for opt in self.chained_optimizers:
+                if getattr(opt, "with_tensors", False):
+                    opt.step_states()
         return self.step_result
 
 
@@ -132,13 +173,13 @@ class Rig:
     """Everything one call of the real train_step needs."""
 
     def __init__(self, cfg=None, events: Optional[Recorder] = None, fail: Optional[BaseException] = None,
-                 step_result=(True, 1.0, 0)):
+                 step_result=(True, 1.0, 0), with_tensors: bool = False):
         self.events = events if events is not None else Recorder()
         self.cfg = cfg if cfg is not None else config_container()
         self.model_config = types.SimpleNamespace(
             finalize_model_grads_func=finalize_recorder(self.events), seq_length=8)
         self.model = [ModelChunk(self.model_config, self.events)]
-        self.dist_optimizer = make_distributed_optimizer(self.events)
+        self.dist_optimizer = make_distributed_optimizer(self.events, with_tensors=with_tensors)
         self.optimizer = ChainedOptimizer([self.dist_optimizer], self.events, step_result=step_result)
         self.scheduler = types.SimpleNamespace(step=lambda increment: self.events.add("scheduler.step"))
         self.global_state = types.SimpleNamespace(cfg=self.cfg, timers=lambda *a, **k: _Timer())

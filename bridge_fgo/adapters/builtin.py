@@ -1,0 +1,45 @@
+"""bridge_fgo's builtin engine behind the Adapter interface: one Engine per DistributedOptimizer."""
+from __future__ import annotations
+
+from typing import List
+
+from ..engine import Engine
+from ..session import Adapter
+
+
+class BuiltinAdapter(Adapter):
+    name = "builtin"
+
+    def __init__(self, dist_optimizers: List[object]):
+        self.engines = [Engine(o) for o in dist_optimizers]
+
+    def prepare(self) -> None:
+        for e in self.engines:
+            e.prepare()
+
+    def offload(self) -> int:
+        return sum(e.offload() for e in self.engines)
+
+    def release(self) -> None:
+        for e in self.engines:
+            e.release()
+
+    def reload(self) -> int:
+        return sum(e.reload() for e in self.engines)
+
+    def wait_reload(self) -> None:
+        for e in self.engines:
+            e.wait_reload()
+
+    def describe(self):
+        return {
+            "optimizers": len(self.engines),
+            "tensors": sum(len(e.plan) for e in self.engines),
+            "bytes": sum(e.bytes for e in self.engines),
+            "pinned_bytes": sum(e.pinned_bytes for e in self.engines),
+            "skipped_shared_storage": sum(e.skipped_shared for e in self.engines),
+        }
+
+    def close(self) -> None:
+        for e in self.engines:
+            e.close()
