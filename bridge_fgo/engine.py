@@ -157,7 +157,8 @@ class Engine:
             plan.append((t, offset, n))
             offset += _align(n)
         self.plan, self.signature = plan, self._state_signature()
-        self.cuda = any(t.is_cuda for t, _, _ in plan)
+        inner_params = [p for g in getattr(self._inner(), "param_groups", None) or () for p in g["params"]]
+        self.cuda = any(t.is_cuda for t, _, _ in plan) or any(p.is_cuda for p in inner_params)
         if self.buffer is None or self.buffer.nbytes < offset:
             self._allocate(offset)
 

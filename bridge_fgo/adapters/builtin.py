@@ -1,9 +1,11 @@
 """bridge_fgo's builtin engine behind the Adapter interface: one Engine per DistributedOptimizer."""
 from __future__ import annotations
 
+import time
 from typing import List
 
 from ..engine import Engine
+from ..log import logger, rank_prefix
 from ..session import Adapter
 
 
@@ -14,8 +16,12 @@ class BuiltinAdapter(Adapter):
         self.engines = [Engine(o) for o in dist_optimizers]
 
     def prepare(self) -> None:
+        t0 = time.perf_counter()
         for e in self.engines:
             e.prepare()
+        logger.info("%sbuiltin engine ready before the first step: %d optimizer(s), %d bytes of %s host "
+                    "buffer in %.2f s", rank_prefix(), len(self.engines), sum(e.pinned_bytes for e in self.engines),
+                    "pinned" if any(e.cuda for e in self.engines) else "CPU", time.perf_counter() - t0)
 
     def offload(self) -> int:
         return sum(e.offload() for e in self.engines)

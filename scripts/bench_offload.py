@@ -1,0 +1,254 @@
+#!/usr/bin/env python3
+"""Benchmark: real Megatron-Bridge pretrain() with and without bridge_fgo's builtin offload engine.
+
+  python scripts/bench_offload.py all --out-dir DIR          # every mode, one process each, + summary
+  python scripts/bench_offload.py run --mode builtin --out F # one mode (under torchrun too)
+
+Workload: Llama-style GPT, 887M parameters (16 layers, hidden 2048, ffn 5632, seq 1024, mbs 2, gbs 16),
+bf16, distributed optimizer (torch AdamW inside: no Transformer Engine), mock data, Megatron-Core's
+'local' transformer implementation. Per iteration it records the forward-backward peak (from
+forward_backward_func's entry, after offload and release, to gradient finalization), the whole-
+iteration peak, step time and loss; at the end a hash of the final parameters. `all` also measures
+pinned host<->device bandwidth with bridge_fgo's own pinned buffer, and checks the targets.
+"""
+import argparse
+import hashlib
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+GIB = 2**30
+
+
+def run(args):
+    for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29517").items():
+        os.environ.setdefault(k, v)
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s: %(message)s")
+    sys.path.insert(0, HERE)
+    import bench_imports
+
+    bench_imports.install()
+    import bridge_fgo
+
+    if args.mode == "builtin":
+        bridge_fgo.patch(offload="builtin", strict=True)  # under bridge-fgo-run: already patched, a no-op
+    import torch
+    from megatron.bridge.models.gpt_provider import GPTModelProvider, local_layer_spec
+    from megatron.bridge.training import config as C
+    from megatron.bridge.training.gpt_step import forward_step
+    from megatron.bridge.training.pretrain import pretrain
+    import megatron.bridge.training.initialize as initialize
+    import megatron.bridge.training.train as T
+    import megatron.core.datasets as mcd
+    from megatron.core.utils import get_model_config
+
+    recs, held = [], {}
+    inner_step = T.train_step
+
+    def measured_step(forward_step_func, data_iterator, model, optimizer, *a, **k):
+        held["model"] = model
+        cfg = get_model_config(model[0])
+        if not getattr(cfg, "_bench_probe", False):
+            base = cfg.finalize_model_grads_func
+
+            def probe(*fa, **fk):  # outermost: runs before bridge_fgo's reload
+                torch.cuda.synchronize()
+                recs[-1]["fwdbwd_peak_gib"] = torch.cuda.max_memory_allocated() / GIB
+                torch.cuda.reset_peak_memory_stats()
+                return base(*fa, **fk)
+
+            cfg.finalize_model_grads_func, cfg._bench_probe = probe, True
+        a = list(a)
+        fbf = a[3]  # Bridge 0.6 passes forward_backward_func positionally, 8th argument
+
+        def fb_probe(*fa, **fk):
+            torch.cuda.synchronize()
+            recs[-1]["pre_fwdbwd_peak_gib"] = torch.cuda.max_memory_allocated() / GIB
+            recs[-1]["alloc_fwdbwd_entry_gib"] = torch.cuda.memory_allocated() / GIB
+            torch.cuda.reset_peak_memory_stats()
+            return fbf(*fa, **fk)
+
+        a[3] = fb_probe
+        torch.cuda.synchronize()
+        recs.append({"iter": len(recs) + 1})
+        torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        out = inner_step(forward_step_func, data_iterator, model, optimizer, *a, **k)
+        torch.cuda.synchronize()
+        r = recs[-1]
+        r["step_s"] = time.perf_counter() - t0
+        r["finalize_step_peak_gib"] = torch.cuda.max_memory_allocated() / GIB
+        r["iter_peak_gib"] = max(r.get("pre_fwdbwd_peak_gib", 0), r.get("fwdbwd_peak_gib", 0), r["finalize_step_peak_gib"])
+        r["loss"] = float(out[0]["lm loss"]) if out[0] else None
+        print("ITER " + json.dumps(r), flush=True)
+        return out
+
+    T.train_step = measured_step
+    if not os.path.exists(os.path.join(os.path.dirname(mcd.__file__), "Makefile")):
+        from megatron.core.datasets import helpers_cpp  # noqa: F401  the wheel ships it prebuilt
+
+        initialize.compile_helpers = lambda: None  # the wheel has no Makefile for `make`
+
+    opt = C.OptimizerConfig(optimizer="adam", lr=3e-4, min_lr=3e-5, weight_decay=0.1, bf16=True, fp16=False,
+                            adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, use_distributed_optimizer=True,
+                            clip_grad=1.0)
+    sched = C.SchedulerConfig(start_weight_decay=0.033, end_weight_decay=0.033, weight_decay_incr_style="constant",
+                              lr_decay_style="cosine", lr_warmup_iters=2, lr_warmup_init=0.0, lr_decay_iters=None,
+                              override_opt_param_scheduler=True)
+    off = dict(masked_softmax_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
+               gradient_accumulation_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
+               cross_entropy_loss_fusion=False)
+    model = GPTModelProvider(
+        transformer_layer_spec=local_layer_spec, transformer_impl="local", num_layers=16, hidden_size=2048,
+        ffn_hidden_size=5632, num_attention_heads=16, num_query_groups=8, seq_length=1024, normalization="RMSNorm",
+        gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False,
+        position_embedding_type="rope", share_embeddings_and_output_weights=False, make_vocab_size_divisible_by=128,
+        bf16=True, params_dtype=torch.bfloat16, attention_dropout=0.0, hidden_dropout=0.0,
+        tensor_model_parallel_size=1, pipeline_model_parallel_size=1, **off)
+    overlap = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    cfg = C.ConfigContainer(
+        model=model,
+        train=C.TrainingConfig(train_iters=args.iters, global_batch_size=16, micro_batch_size=2, exit_signal_handler=False),
+        validation=C.ValidationConfig(eval_interval=None, eval_iters=0),
+        optimizer=opt, scheduler=sched,
+        ddp=C.DistributedDataParallelConfig(check_for_nan_in_grad=True, grad_reduce_in_fp32=True,
+                                            overlap_grad_reduce=overlap, overlap_param_gather=overlap,
+                                            average_in_collective=True, use_distributed_optimizer=True),
+        dataset=C.MockGPTDatasetConfig(seq_length=1024, random_seed=1234, reset_attention_mask=False,
+                                       reset_position_ids=False, eod_mask_loss=False, num_dataset_builder_threads=1,
+                                       split="9999,8,2", dataloader_type="single", num_workers=1,
+                                       persistent_workers=False, data_sharding=True,
+                                       skip_getting_attention_mask_from_dataset=True),
+        logger=C.LoggerConfig(log_interval=1, tensorboard_dir=None),
+        tokenizer=C.TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=32000),
+        checkpoint=C.CheckpointConfig(save=None, load=None, save_interval=None),
+        rng=C.RNGConfig(seed=1234), mixed_precision="bf16_mixed",
+    )
+    report_holder = {}
+    if args.mode == "builtin":
+        # the per-optimizer figures, read before train() ends and unpatch would drop them
+        inner_train = T.train_step
+
+        def keep_report(*a, **k):
+            out = inner_train(*a, **k)
+            report_holder["sessions"] = bridge_fgo.status().sessions
+            return out
+
+        T.train_step = keep_report
+    t0 = time.perf_counter()
+    pretrain(cfg, forward_step)
+    wall = time.perf_counter() - t0
+    h = hashlib.sha256()
+    for p in held["model"][0].parameters():
+        h.update(p.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes())
+    steady = [r for r in recs if r["iter"] > 2]
+    rank = int(os.environ.get("RANK", "0"))
+    summary = {
+        "mode": args.mode, "rank": rank, "world_size": int(os.environ.get("WORLD_SIZE", "1")),
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+        "iters": len(recs), "pretrain_wall_s": wall,
+        "first_iter_s": recs[0]["step_s"], "second_iter_s": recs[1]["step_s"] if len(recs) > 1 else None,
+        "steady_step_median_s": statistics.median(r["step_s"] for r in steady),
+        "steady_fwdbwd_peak_gib": max(r["fwdbwd_peak_gib"] for r in steady),
+        "max_iter_peak_gib": max(r["iter_peak_gib"] for r in recs),
+        "losses": [r["loss"] for r in recs],
+        "final_params_sha256": h.hexdigest(),
+        "sessions": report_holder.get("sessions", []),
+    }
+    print("SUMMARY " + json.dumps(summary), flush=True)
+    if args.out:
+        out = args.out if rank == 0 else args.out.replace(".json", f".rank{rank}.json")
+        with open(out, "w") as f:
+            json.dump({"summary": summary, "iters": recs}, f, indent=1)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def bandwidth(gib=2, reps=5):
+    """Pinned host<->device copy bandwidth, through the same pinned buffer the engine uses."""
+    import torch
+    from bridge_fgo.engine import PinnedBuffer
+
+    n = gib * GIB
+    t0 = time.perf_counter()
+    host = PinnedBuffer(n, cuda=True)
+    pin_s = time.perf_counter() - t0
+    dev = torch.empty(n, dtype=torch.uint8, device="cuda")
+    out = {"bytes": n, "pin_s": pin_s, "registered": host.registered}
+    for name, (dst, src) in {"d2h": (host.tensor, dev), "h2d": (dev, host.tensor)}.items():
+        times = []
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            dst.copy_(src, non_blocking=True)
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+        out[f"{name}_GBps"] = n / statistics.median(times) / 1e9
+    host.free()
+    return out
+
+
+def run_all(args):
+    os.makedirs(args.out_dir, exist_ok=True)
+    results = {}
+    for mode in args.modes.split(","):
+        path = os.path.join(args.out_dir, f"{mode}.json")
+        log = os.path.join(args.out_dir, f"{mode}.log")
+        with open(log, "w") as f:
+            rc = subprocess.call([sys.executable, os.path.abspath(__file__), "run", "--mode", mode, "--iters",
+                                  str(args.iters), "--out", path], stdout=f, stderr=subprocess.STDOUT)
+        if rc != 0:
+            sys.exit(f"{mode} run failed (rc={rc}); see {log}")
+        with open(path) as f:
+            results[mode] = json.load(f)["summary"]
+    bw = bandwidth()
+    base, eng = results.get("base"), results.get("builtin")
+    summary = {"bandwidth": bw, "runs": results}
+    if base and eng:
+        offloaded = max(s["bytes"] for s in eng["sessions"]) if eng["sessions"] else 0
+        pinned = sum(s.get("pinned_bytes", 0) for s in eng["sessions"])
+        bound = offloaded / (bw["h2d_GBps"] * 1e9)
+        overhead = eng["steady_step_median_s"] - base["steady_step_median_s"]
+        drop = (base["steady_fwdbwd_peak_gib"] - eng["steady_fwdbwd_peak_gib"]) * GIB
+        summary["comparison"] = {
+            "bytes_offloaded_per_step": offloaded,
+            "pinned_host_bytes": pinned,
+            "losses_bit_identical": base["losses"] == eng["losses"],
+            "final_params_identical": base["final_params_sha256"] == eng["final_params_sha256"],
+            "fwdbwd_peak_drop_bytes": drop,
+            "fwdbwd_drop_over_offloaded": drop / offloaded if offloaded else None,
+            "steady_overhead_s": overhead,
+            "exposed_transfer_bound_s": bound,
+            "overhead_over_bound": overhead / bound if bound else None,
+            "first_iter_ratio": eng["first_iter_s"] / base["first_iter_s"],
+            "pinned_over_offloaded": pinned / offloaded if offloaded else None,
+        }
+    with open(os.path.join(args.out_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    print(json.dumps(summary, indent=1))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--mode", choices=("base", "builtin"), required=True)
+    r.add_argument("--iters", type=int, default=10)
+    r.add_argument("--out")
+    a = sub.add_parser("all")
+    a.add_argument("--out-dir", required=True)
+    a.add_argument("--iters", type=int, default=10)
+    a.add_argument("--modes", default="base,builtin")
+    args = ap.parse_args()
+    run(args) if args.cmd == "run" else run_all(args)
+
+
+if __name__ == "__main__":
+    main()
