@@ -30,6 +30,31 @@ class ReloadingFinalize(wrapt.FunctionWrapper):
     """The finalize wrapper's own type: how bridge_fgo recognises it and never wraps it twice."""
 
 
+def _reaches(func, target, depth: int = 8) -> bool:
+    """Whether calling `func` can reach `target`: through __wrapped__ (wrapt, functools.wraps),
+    partial.func, or a closure cell (a plain wrapper that captured the function it calls)."""
+    stack, seen = [(func, 0)], set()
+    while stack:
+        f, d = stack.pop()
+        if f is target:
+            return True
+        if d >= depth or id(f) in seen or f is None:
+            continue
+        seen.add(id(f))
+        for attr in ("__wrapped__", "func"):
+            inner = getattr(f, attr, None) if not isinstance(f, type) else None
+            if callable(inner):
+                stack.append((inner, d + 1))
+        for cell in getattr(f, "__closure__", None) or ():
+            try:
+                value = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if callable(value):
+                stack.append((value, d + 1))
+    return False
+
+
 def is_reloading_finalize(func, owner=None) -> bool:
     """True for bridge_fgo's finalize wrapper (installed by `owner`, when given)."""
     if not isinstance(func, ReloadingFinalize):
@@ -44,6 +69,7 @@ class CallSites:
         self.registry = Registry()
         self.enabled = True
         self.wrapped_configs: List[object] = []
+        self.wrappers: dict = {}  # id(model config) -> the wrapper installed there
         self._current: contextvars.ContextVar = contextvars.ContextVar("bridge_fgo_session", default=None)
 
     # -- deciding ---------------------------------------------------------------------------------
@@ -62,14 +88,20 @@ class CallSites:
 
         config = get_model_config(model[0])
         func = config.finalize_model_grads_func
-        if is_reloading_finalize(func, owner=self):
+        mine = self.wrappers.get(id(config))
+        # Installed once per config. Something may wrap our wrapper afterwards (a profiler, a user's
+        # hook): still reached, still fine. If it was replaced outright, install again, or the
+        # optimizer step would read released storage.
+        if mine is not None and (func is mine or _reaches(func, mine)):
             return
         if func is None:
             raise BridgeFGOConfigError(
                 "model_config.finalize_model_grads_func is None: optimizer states are brought back from "
                 "gradient finalization, so it must be set (Bridge's setup binds finalize_model_grads)"
             )
-        config.finalize_model_grads_func = ReloadingFinalize(func, self._finalize)
+        wrapper = ReloadingFinalize(func, self._finalize)
+        config.finalize_model_grads_func = wrapper
+        self.wrappers[id(config)] = wrapper
         self.wrapped_configs.append(config)
 
     # -- wrappers ---------------------------------------------------------------------------------
@@ -139,4 +171,5 @@ class CallSites:
             if is_reloading_finalize(func, owner=self):
                 config.finalize_model_grads_func = func.__wrapped__
         self.wrapped_configs.clear()
+        self.wrappers.clear()
         self.enabled = False

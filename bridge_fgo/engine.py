@@ -149,7 +149,7 @@ class Engine:
                     total += 2 * _align(p.numel() * p.element_size())
         return total
 
-    def _replan(self) -> None:
+    def _replan(self, reserve: int = 0) -> None:
         tensors = self.candidates()
         offset, plan = 0, []
         for t in tensors:
@@ -160,7 +160,7 @@ class Engine:
         inner_params = [p for g in getattr(self._inner(), "param_groups", None) or () for p in g["params"]]
         self.cuda = any(t.is_cuda for t, _, _ in plan) or any(p.is_cuda for p in inner_params)
         if self.buffer is None or self.buffer.nbytes < offset:
-            self._allocate(offset)
+            self._allocate(max(offset, reserve))
 
     def _allocate(self, nbytes: int) -> None:
         if self.buffer is not None:
@@ -177,10 +177,7 @@ class Engine:
     # -- the engine's steps -----------------------------------------------------------------------
     def prepare(self) -> None:
         """Before the first step: allocate (and pin) the host buffer for the predicted size."""
-        self._replan()
-        predicted = self.predicted_bytes()
-        if predicted > self.buffer.nbytes:
-            self._allocate(predicted)
+        self._replan(reserve=self.predicted_bytes())
 
     def _slot(self, offset: int, t):
         n = t.numel()

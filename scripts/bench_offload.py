@@ -57,9 +57,12 @@ def run(args):
         if not getattr(cfg, "_bench_probe", False):
             base = cfg.finalize_model_grads_func
 
+            # Probes wait for the compute stream only: a device-wide synchronize would also wait for
+            # bridge_fgo's copy streams and serialise the very transfers that should overlap.
             def probe(*fa, **fk):  # outermost: runs before bridge_fgo's reload
-                torch.cuda.synchronize()
+                torch.cuda.current_stream().synchronize()
                 recs[-1]["fwdbwd_peak_gib"] = torch.cuda.max_memory_allocated() / GIB
+                recs[-1]["t_finalize"] = time.perf_counter()
                 torch.cuda.reset_peak_memory_stats()
                 return base(*fa, **fk)
 
@@ -68,9 +71,10 @@ def run(args):
         fbf = a[3]  # Bridge 0.6 passes forward_backward_func positionally, 8th argument
 
         def fb_probe(*fa, **fk):
-            torch.cuda.synchronize()
+            torch.cuda.current_stream().synchronize()
             recs[-1]["pre_fwdbwd_peak_gib"] = torch.cuda.max_memory_allocated() / GIB
             recs[-1]["alloc_fwdbwd_entry_gib"] = torch.cuda.memory_allocated() / GIB
+            recs[-1]["t_fwdbwd"] = time.perf_counter()
             torch.cuda.reset_peak_memory_stats()
             return fbf(*fa, **fk)
 
@@ -82,7 +86,13 @@ def run(args):
         out = inner_step(forward_step_func, data_iterator, model, optimizer, *a, **k)
         torch.cuda.synchronize()
         r = recs[-1]
-        r["step_s"] = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        r["step_s"] = t1 - t0
+        # phases: before forward-backward (zero grads, offload, copy, release), forward-backward, the rest
+        # (reload, finalization, optimizer step)
+        r["pre_s"] = r.pop("t_fwdbwd", t0) - t0
+        r["fwdbwd_s"] = r.pop("t_finalize", t1) - t0 - r["pre_s"]
+        r["post_s"] = r["step_s"] - r["pre_s"] - r["fwdbwd_s"]
         r["finalize_step_peak_gib"] = torch.cuda.max_memory_allocated() / GIB
         r["iter_peak_gib"] = max(r.get("pre_fwdbwd_peak_gib", 0), r.get("fwdbwd_peak_gib", 0), r["finalize_step_peak_gib"])
         r["loss"] = float(out[0]["lm loss"]) if out[0] else None

@@ -102,3 +102,31 @@ def test_first_step_info_line(three_method, caplog_fgo):
     harness.run_steps(flagged_rig(), steps=2)
     lines = [r.getMessage() for r in caplog_fgo.records if "offload active" in r.getMessage()]
     assert lines == ["[rank 0] offload active: mode=three-method, 1 optimizer(s), ? tensor(s), ? bytes offloaded per step"]
+
+
+def test_wrapper_wrapped_by_someone_else_is_not_wrapped_again(three_method):
+    bridge_fgo.patch()
+    rig = flagged_rig()
+    harness.run_steps(rig, steps=1)
+    ours = rig.model_config.finalize_model_grads_func
+
+    def profiler_probe(*a, **k):  # a plain closure over our wrapper, as a profiler would add
+        rig.events.add("probe")
+        return ours(*a, **k)
+
+    rig.model_config.finalize_model_grads_func = profiler_probe
+    del rig.events[:]
+    harness.run_steps(rig, steps=2)
+    assert rig.model_config.finalize_model_grads_func is profiler_probe
+    assert rig.events.count("reload") == 2 and rig.events[6:9] == ["probe", "reload",
+                                                                   "finalize(pg_collection=pg_collection)"]
+
+
+def test_wrapper_replaced_outright_is_installed_again(three_method):
+    bridge_fgo.patch()
+    rig = flagged_rig()
+    harness.run_steps(rig, steps=1)
+    rig.model_config.finalize_model_grads_func = harness.finalize_recorder(rig.events)  # ours is gone
+    del rig.events[:]
+    harness.run_steps(rig, steps=1)
+    assert rig.events == ORDER  # the reload still comes before finalization and the step
