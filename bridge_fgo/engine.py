@@ -176,8 +176,20 @@ class Engine:
 
     # -- the engine's steps -----------------------------------------------------------------------
     def prepare(self) -> None:
-        """Before the first step: allocate (and pin) the host buffer for the predicted size."""
+        """Before the first step: allocate (and pin) the host buffer for the predicted size, and run
+        one DMA pass over it so the first training step does not pay for first use of its pages."""
         self._replan(reserve=self.predicted_bytes())
+        if self.cuda and self.buffer.nbytes:
+            import torch
+
+            chunk = min(self.buffer.nbytes, 256 * 2**20)
+            scratch = torch.empty(chunk, dtype=torch.uint8, device="cuda")
+            with torch.cuda.stream(self._h2d):
+                for start in range(0, self.buffer.nbytes, chunk):
+                    piece = self.buffer.tensor[start:start + chunk]
+                    scratch[: piece.numel()].copy_(piece, non_blocking=True)
+            self._h2d.synchronize()
+            del scratch
 
     def _slot(self, offset: int, t):
         n = t.numel()
