@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Mapping, Optional
+from typing import List, Mapping, Optional, Tuple
 
 from .errors import BridgeFGOOptionError
 
@@ -74,3 +74,15 @@ def from_env(env: Optional[Mapping[str, str]] = None, **overrides) -> Options:
         if value is not None:
             values[key] = value
     return Options(**values)
+
+
+def known_env() -> Tuple[str, ...]:
+    """Every BRIDGE_FGO_* variable an option reads."""
+    return tuple(env_name(f.name) for f in dataclasses.fields(Options))
+
+
+def unknown_env(env: Optional[Mapping[str, str]] = None) -> List[str]:
+    """BRIDGE_FGO_* variables no option reads: a misspelt one would otherwise be ignored in silence."""
+    env = os.environ if env is None else env
+    known = known_env()
+    return sorted(k for k in env if k.startswith(ENV_PREFIX) and k not in known)

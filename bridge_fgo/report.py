@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import textwrap
 from typing import Dict, List, Optional
 
 # outcome values
@@ -28,6 +29,13 @@ class Report:
     reason: Optional[str] = None
     verdict: Optional[str] = None
     sessions: List[Dict[str, object]] = dataclasses.field(default_factory=list)
+    # Filled by diagnose() (bridge-fgo status, bridge-fgo-run --check); status() leaves the defaults.
+    predicted: bool = False  # outcome/reason say what patch() would do here, not what this process did
+    offload_ready: Optional[bool] = None  # the verdict as a yes/no: offload will run in this mode
+    generation_meaning: Optional[str] = None
+    target_notes: Dict[str, str] = dataclasses.field(default_factory=dict)  # why a target would not patch
+    problems: List[str] = dataclasses.field(default_factory=list)  # everything that stops the patch
+    executable: Optional[str] = None  # the Python that was inspected
 
     def to_dict(self) -> Dict[str, object]:
         return dataclasses.asdict(self)
@@ -36,14 +44,26 @@ class Report:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
     def __str__(self) -> str:
-        rows = [("patched", "yes" if self.patched else "no"), ("outcome", self.outcome), ("offload mode", self.mode),
+        patched = "yes" if self.patched else "no"
+        if self.predicted and not self.patched:
+            patched += " (this process only inspects)"
+        outcome = f"{self.outcome} (what patch() would do here)" if self.predicted else self.outcome
+        rows = [("patched", patched), ("outcome", outcome), ("offload mode", self.mode),
                 ("strict", "yes" if self.strict else "no")]
+        if self.executable:
+            rows.append(("python executable", self.executable))
         rows += [(name, v or "not installed") for name, v in self.versions.items()]
-        rows.append(("megatron-core offload", self.generation or "unknown (megatron-core not loaded)"))
+        generation = self.generation or "unknown (megatron-core not loaded)"
+        if self.generation_meaning:
+            generation = f"{self.generation or 'unknown'}: {self.generation_meaning}"
+        rows.append(("megatron-core offload", generation))
         rows.append(("bridge wires offload itself", ", ".join(self.native_wiring) if self.native_wiring else "no"))
-        rows += [(f"target {name}", "found" if ok else "MISSING") for name, ok in self.targets.items()]
+        for name, ok in self.targets.items():
+            note = self.target_notes.get(name)
+            rows.append((f"target {name}", (note if ok else f"MISSING: {note}") if note else
+                         ("found" if ok else "MISSING")))
         if self.aliases:
-            rows.append(("aliases patched", ", ".join(self.aliases)))
+            rows.append(("aliases it would patch" if self.predicted else "aliases patched", ", ".join(self.aliases)))
         if self.reason:
             rows.append(("reason", self.reason))
         if self.verdict:
@@ -51,4 +71,9 @@ class Report:
         for i, s in enumerate(self.sessions):
             rows.append((f"optimizer {i}", ", ".join(f"{k}={v}" for k, v in s.items())))
         width = max(len(k) for k, _ in rows)
-        return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
+        # long values wrap under their column, so the table stays readable in a terminal
+        return "\n".join(
+            textwrap.fill(str(v) or "-", width=max(120, width + 50), initial_indent=f"{k.ljust(width)}  ",
+                          subsequent_indent=" " * (width + 2), break_on_hyphens=False, break_long_words=False)
+            for k, v in rows
+        )
