@@ -2,9 +2,10 @@
 """How device-to-host copies of many tensors overlap with compute, under Megatron's
 CUDA_DEVICE_MAX_CONNECTIONS=1 (one hardware work queue shared by every stream).
 
-Compute: a chain of bf16 matmuls on the current stream. Copies: N tensors (~total GiB) into one
-pinned buffer, issued as a burst before the compute, on 1 or S side streams. Prints JSON: compute
-alone, copies alone, and both together for each strategy.
+Compute on the current stream, timed with CUDA events on that stream: few long matmuls
+(compute-bound) or many short kernels (launch/latency-bound, like a small model's forward). Copies:
+300 tensors (8 GiB) into one pinned buffer on a side stream, issued just before. Prints JSON: each
+compute alone and with the copies running.
   CUDA_DEVICE_MAX_CONNECTIONS=1 python scripts/bench_copy_overlap.py
 """
 import json
@@ -38,28 +39,45 @@ def main():
     srcs = [torch.randn(per // 4, device="cuda") for _ in range(n_tensors)]
     host = PinnedBuffer(per * n_tensors, cuda=True).tensor
     slots = [host[i * per:(i + 1) * per].view(torch.float32) for i in range(n_tensors)]
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    big = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    small = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16)
 
-    def compute():
-        x = a
-        for _ in range(40):
-            x = (x @ a) * 1e-4
+    def big_kernels():  # few long matmuls: compute-bound
+        x = big
+        for _ in range(120):
+            x = (x @ big) * 1e-4
 
-    streams = {s: [torch.cuda.Stream() for _ in range(s)] for s in (1, 8, 64)}
+    def small_kernels():  # many short kernels, as a small model's forward: launch/latency-bound
+        x = small
+        for _ in range(6000):
+            x = (x @ small) * 1e-3 + 1.0
 
-    def copies(n_streams, interleave=0):
-        ss = streams[n_streams]
-        cur = torch.cuda.current_stream()
-        for s in ss:
-            s.wait_stream(cur)
-        for i, (src, dst) in enumerate(zip(srcs, slots)):
-            with torch.cuda.stream(ss[i % n_streams]):
+    side = torch.cuda.Stream()
+
+    def copies(chunks=1):
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for src, dst in zip(srcs, slots):
                 dst.copy_(src, non_blocking=True)
 
-    out = {"connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"), "bytes": per * n_tensors,
-           "compute_s": timed(compute), "copies_1_stream_s": timed(lambda: copies(1))}
-    for s in (1, 8, 64):
-        out[f"both_{s}_streams_s"] = timed(lambda: (copies(s), compute()))
+    def compute_time(work, with_copies):
+        """Seconds the compute stream spends on `work` (CUDA events), copies issued just before."""
+        torch.cuda.synchronize()
+        if with_copies:
+            copies()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        work()
+        b.record()
+        torch.cuda.synchronize()
+        return a.elapsed_time(b) / 1e3
+
+    out = {"connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"), "copy_bytes": per * n_tensors,
+           "copies_alone_s": timed(copies)}
+    for name, work in (("big_kernels", big_kernels), ("small_kernels", small_kernels)):
+        compute_time(work, False)  # warm-up
+        out[f"{name}_alone_s"] = min(compute_time(work, False) for _ in range(3))
+        out[f"{name}_with_copies_s"] = min(compute_time(work, True) for _ in range(3))
     print(json.dumps(out))
 
 
