@@ -88,10 +88,14 @@ def _apply(p: _Patch, module) -> None:
     p.aliases = sorted(f"{mod.__name__}.{key}" for mod, key, _ in aliases)
     p.outcome = rpt.PATCHED
     log.once(("patched",), logging.INFO,
-             "patched megatron-bridge %s (%s%s); offload mode=%s; megatron-core %s offload: %s",
-             _bridge_version(), ", ".join(built), f"; aliases {', '.join(p.aliases)}" if p.aliases else "",
+             "%spatched megatron-bridge %s (%s%s); offload mode=%s; megatron-core %s offload: %s",
+             log.rank_prefix(), _bridge_version(), ", ".join(built), f"; aliases {', '.join(p.aliases)}" if p.aliases else "",
              p.options.offload, generations.version("megatron-core") or "unknown",
              generations.installed_if_loaded() or "unknown")
+
+
+def _describe(opts: options_mod.Options) -> str:
+    return f"offload={opts.offload!r}, strict={opts.strict}"
 
 
 def patch(*, strict: Optional[bool] = None, offload: Optional[str] = None) -> rpt.Report:
@@ -104,13 +108,18 @@ def patch(*, strict: Optional[bool] = None, offload: Optional[str] = None) -> rp
     opts = options_mod.from_env(strict=strict, offload=offload)
     with _lock:
         if _current is not None and _current.active:
-            logger.info("bridge_fgo.patch(): already patched; nothing done")
+            if opts != _current.options:  # e.g. a script's own patch(offload=...) under bridge-fgo-run
+                logger.warning("bridge_fgo.patch(%s): already patched with %s; the new options are ignored "
+                               "(unpatch() first to change them)", _describe(opts), _describe(_current.options))
+            else:
+                logger.info("bridge_fgo.patch(): already patched; nothing done")
             return status()
+        _current = _Patch(opts)
         if opts.disable:
+            _current.outcome, _current.reason = rpt.NOT_PATCHED, "disabled"
             log.once(("disabled",), logging.INFO, "bridge_fgo disabled by %s: nothing patched",
                      options_mod.env_name("disable"))
-            return status(options=opts, outcome=rpt.NOT_PATCHED, reason="disabled")
-        _current = _Patch(opts)
+            return status()
         try:
             if not _hook_registered:
                 wrapt.register_post_import_hook(_on_train_module, targets.TRAIN_MODULE)
@@ -153,7 +162,12 @@ def is_patched() -> bool:
 def status(*, options=None, outcome=None, reason=None) -> rpt.Report:
     """The report at any time: what was patched, the mode, and why not if not."""
     p = _current
-    opts = options or (p.options if p is not None else options_mod.from_env())
+    if options is None and p is None:
+        try:
+            options = options_mod.from_env()
+        except BridgeFGOError as err:  # status() reports, it never raises
+            options, reason = options_mod.Options(), reason or f"patch() was not called; {err}"
+    opts = options or p.options
     layout = p.layout if p is not None else None
     outcome = outcome or (p.outcome if p is not None else rpt.NOT_PATCHED)
     reason = reason if reason is not None else (p.reason if p is not None else "patch() was not called")

@@ -54,6 +54,7 @@ class Session:
         self.counts = {"offload": 0, "release": 0, "reload": 0}
         self.bytes_offloaded = 0
         self.bytes_reloaded = 0
+        self.bytes_known = True  # False where the adapter (Megatron-Core's offloader) does not say
         self.steps = 0
         self.announced = False
         self.prepared = False
@@ -70,6 +71,7 @@ class Session:
         moved = self.adapter.offload()
         self.state = OFFLOADED
         self.counts["offload"] += 1
+        self.bytes_known &= moved is not None
         self.bytes_offloaded += moved or 0
 
     def release(self) -> None:
@@ -109,29 +111,31 @@ class Session:
             "state": self.state,
             "steps": self.steps,
             "calls": dict(self.counts),
-            "bytes_offloaded": self.bytes_offloaded,
-            "bytes_reloaded": self.bytes_reloaded,
+            "bytes_offloaded": self.bytes_offloaded if self.bytes_known else None,
+            "bytes_reloaded": self.bytes_reloaded if self.bytes_known else None,
             **self.adapter.describe(),
         }
 
     def announce_first_step(self) -> None:
-        if self.announced:
+        """One line at the first step that really offloaded."""
+        if self.announced or not self.counts["offload"]:
             return
         self.announced = True
         d = self.adapter.describe()
         logger.info(
             "%soffload active: mode=%s, %s optimizer(s), %s tensor(s), %s bytes offloaded per step",
             rank_prefix(), self.mode, d.get("optimizers", "?"), d.get("tensors", "?"),
-            d.get("bytes", self.bytes_offloaded or "?"),
+            d.get("bytes", self.bytes_offloaded if self.bytes_known else "?"),
         )
 
     def summary(self, requested: bool, strict: bool) -> None:
         c = self.counts
         logger.info(
             "%soffload summary: mode=%s, steps=%d, offload=%d release=%d reload=%d calls, "
-            "%d bytes offloaded, %d bytes reloaded",
+            "%s bytes offloaded, %s bytes reloaded",
             rank_prefix(), self.mode, self.steps, c["offload"], c["release"], c["reload"],
-            self.bytes_offloaded, self.bytes_reloaded,
+            self.bytes_offloaded if self.bytes_known else "unknown",
+            self.bytes_reloaded if self.bytes_known else "unknown",
         )
         if requested and self.steps and c["offload"] == 0:
             msg = (f"{rank_prefix()}offload was requested (mode={self.mode}) but no offload happened in "

@@ -116,8 +116,10 @@ def test_torchrun_two_workers_each_patched():
         assert w["is_patched"] and w["outcome"] == "patched" and w["mode"] == "builtin", w
         assert w["wrapped_once"] and w["pretrain_reaches_wrapper"], w
     assert len({w["pid"] for w in workers}) == 2
-    # one INFO line per worker process, through the handler the bootstrap attached
-    assert proc.stderr.count("bridge_fgo INFO: patched megatron-bridge 0.6.2") == 2, proc.stderr[-5000:]
+    # one INFO line per worker process, naming its rank, through the handler the bootstrap attached
+    for rank in (0, 1):
+        assert proc.stderr.count(f"bridge_fgo INFO: [rank {rank}] patched megatron-bridge 0.6.2") == 1, \
+            proc.stderr[-5000:]
 
 
 # -- refusing before anything runs ---------------------------------------------------------------

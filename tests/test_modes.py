@@ -165,3 +165,20 @@ def test_disable(monkeypatch, train_module):
     before = train_module.train_step
     report = bridge_fgo.patch()
     assert not report.patched and report.reason == "disabled" and train_module.train_step is before
+
+
+def test_second_patch_with_other_options_warns(caplog_fgo):
+    bridge_fgo.patch()
+    report = bridge_fgo.patch(offload="builtin")
+    assert report.mode == "auto"
+    assert any("already patched with offload='auto'" in m and "ignored" in m for m in warnings_of(caplog_fgo))
+
+
+def test_status_reports_disabled_and_never_raises(monkeypatch):
+    monkeypatch.setenv("BRIDGE_FGO_DISABLE", "yes")
+    bridge_fgo.patch()
+    assert bridge_fgo.status().reason == "disabled"
+    bridge_fgo.unpatch()
+    monkeypatch.setenv("BRIDGE_FGO_OFFLOAD", "sometimes")
+    bridge_fgo.patcher._current = None
+    assert "BRIDGE_FGO_OFFLOAD='sometimes'" in bridge_fgo.status().reason

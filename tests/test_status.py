@@ -228,7 +228,7 @@ def test_first_step_and_summary_lines_carry_the_rank(three_method, caplog_fgo, m
     assert info == [
         "[rank 3] offload active: mode=three-method, 1 optimizer(s), ? tensor(s), ? bytes offloaded per step",
         "[rank 3] offload summary: mode=three-method, steps=2, offload=2 release=2 reload=2 calls, "
-        "0 bytes offloaded, 0 bytes reloaded",
+        "unknown bytes offloaded, unknown bytes reloaded",  # Megatron-Core's offloader does not say
     ]
     assert messages(caplog_fgo, logging.WARNING) == []
 
