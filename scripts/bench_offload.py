@@ -81,6 +81,7 @@ def run(args):
         a[3] = fb_probe
         torch.cuda.synchronize()
         recs.append({"iter": len(recs) + 1})
+        stats0 = torch.cuda.memory_stats()
         torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
         out = inner_step(forward_step_func, data_iterator, model, optimizer, *a, **k)
@@ -96,6 +97,12 @@ def run(args):
         r["finalize_step_peak_gib"] = torch.cuda.max_memory_allocated() / GIB
         r["iter_peak_gib"] = max(r.get("pre_fwdbwd_peak_gib", 0), r.get("fwdbwd_peak_gib", 0), r["finalize_step_peak_gib"])
         r["loss"] = float(out[0]["lm loss"]) if out[0] else None
+        stats1 = torch.cuda.memory_stats()
+        # allocator events in this step: device mallocs/frees and whole-device synchronisations (which
+        # would wait for bridge_fgo's copy streams too)
+        for key in ("num_device_alloc", "num_device_free", "num_sync_all_streams", "num_alloc_retries"):
+            r[key] = stats1.get(key, 0) - stats0.get(key, 0)
+        r["reserved_gib"] = torch.cuda.memory_reserved() / GIB
         print("ITER " + json.dumps(r), flush=True)
         return out
 
