@@ -37,7 +37,7 @@ def run(args):
     import bridge_fgo
 
     if args.mode == "builtin":
-        bridge_fgo.patch(offload="builtin", strict=True)  # under bridge-fgo-run: already patched, a no-op
+        bridge_fgo.patch(offload="builtin")  # under bridge-fgo-run --offload builtin: already patched, a no-op
     import torch
     from megatron.bridge.models.gpt_provider import GPTModelProvider, local_layer_spec
     from megatron.bridge.training import config as C
