@@ -5,7 +5,7 @@ offload (distributed optimizer, adam, no Megatron-FSDP) and what cannot be combi
 """
 from __future__ import annotations
 
-from typing import List
+from typing import List, Optional
 
 from .errors import BridgeFGOConfigError
 
@@ -19,10 +19,13 @@ def _full_iteration_cuda_graph(model_cfg) -> bool:
     return bool(is_full_iteration_cuda_graph(model_cfg))
 
 
-def problems(cfg, inner_optimizers: List[object], dist_optimizers: List[object], who: str) -> List[str]:
+def problems(cfg, inner_optimizers: List[object], dist_optimizers: List[object], who: str,
+             generation: Optional[str] = None) -> List[str]:
     """Every reason `cfg` (Bridge's ConfigContainer) cannot be served; empty when it can."""
     opt, ddp, dist = getattr(cfg, "optimizer", None), getattr(cfg, "ddp", None), getattr(cfg, "dist", None)
     out = []
+    if generation == "chunked":
+        out += _chunked_checkpoint_problems(getattr(cfg, "checkpoint", None))
     if not getattr(opt, "use_distributed_optimizer", False):
         out.append(
             "cfg.optimizer.use_distributed_optimizer=False: set it (and cfg.ddp.use_distributed_optimizer) to "
@@ -61,8 +64,25 @@ def problems(cfg, inner_optimizers: List[object], dist_optimizers: List[object],
     return out
 
 
-def check(cfg, inner_optimizers: List[object], dist_optimizers: List[object], who: str) -> None:
-    found = problems(cfg, inner_optimizers, dist_optimizers, who)
+def _chunked_checkpoint_problems(ckpt) -> List[str]:
+    """Megatron-LM dev's own checks for the chunked line (arguments.py, checkpointing.py at d48bd6be)."""
+    if ckpt is None:
+        return []
+    out = []
+    saves_optim = getattr(ckpt, "save", None) and getattr(ckpt, "save_optim", True)
+    loads_optim = getattr(ckpt, "load", None) and getattr(ckpt, "load_optim", True)
+    if saves_optim and getattr(ckpt, "async_save", False):
+        out.append("cfg.checkpoint.async_save=True while optimizer state is saved: the chunked offload's pinned "
+                   "buffers cannot be handed to a background writer; set async_save=False or save_optim=False")
+    if (saves_optim or loads_optim) and getattr(ckpt, "ckpt_format", "torch_dist") != "torch_dist":
+        out.append(f"cfg.checkpoint.ckpt_format={ckpt.ckpt_format!r}: the chunked offload needs 'torch_dist' when "
+                   "optimizer state is saved or loaded")
+    return out
+
+
+def check(cfg, inner_optimizers: List[object], dist_optimizers: List[object], who: str,
+          generation: Optional[str] = None) -> None:
+    found = problems(cfg, inner_optimizers, dist_optimizers, who, generation)
     if found:
         raise BridgeFGOConfigError(
             "optimizer-state offload cannot run with this configuration:\n  - " + "\n  - ".join(found)

@@ -32,8 +32,12 @@ def distributed_optimizers(optimizers: List[object]) -> List[object]:
 
 
 def flag_requested(cfg) -> bool:
+    """The config asks for offload. The chunked line's __post_init__ turns the deprecated
+    offload_optimizer_states into chunked_optimizer_state_offload and resets it to False."""
     opt = getattr(cfg, "optimizer", None)
-    return bool(getattr(opt, "offload_optimizer_states", False) or getattr(opt, "chunked_optimizer_state_offload", False))
+    if getattr(opt, "chunked_optimizer_state_offload", False):
+        return getattr(opt, "optimizer_state_offload_fraction", 1.0) > 0.0
+    return bool(getattr(opt, "offload_optimizer_states", False))
 
 
 def _generation(optimizer, dist_opts) -> str:
@@ -84,13 +88,11 @@ def resolve(cfg, optimizer, options: Options) -> Optional[Session]:
 
         return Session(optimizer, ThreeMethodAdapter(dist_opts), mode=generations.THREE_METHOD)
     if gen == generations.CHUNKED:
-        _not_acting(
-            options.strict, ("chunked",),
-            f"cfg.optimizer.offload_optimizer_states is set and megatron-core {mcore} has the chunked "
-            "optimizer-state offload API, which this bridge_fgo does not wire yet: nothing is offloaded. "
-            "Upgrade bridge_fgo, or set the flag to False and " + FIX_BUILTIN,
-        )
-        return None
+        config_checks.check(cfg, inner, dist_opts, who="Megatron-Core's chunked optimizer-state offload",
+                            generation=gen)
+        from .adapters.chunked import ChunkedAdapter
+
+        return Session(optimizer, ChunkedAdapter(optimizer, cfg), mode=generations.CHUNKED)
     _not_acting(
         options.strict, ("no-fgo",),
         f"cfg.optimizer.offload_optimizer_states is set but megatron-core {mcore} has no optimizer-state "

@@ -94,9 +94,9 @@ def _mode_verdict(opts: Options, generation: Optional[str], mcore: str) -> Tuple
                       "whose config sets cfg.optimizer.offload_optimizer_states=True; runs without the flag "
                       "are left alone")
     if generation == generations.CHUNKED:
-        return False, (f"offload will not run in mode auto: megatron-core {mcore} has the chunked offload API, "
-                       "which this bridge_fgo does not wire yet. Upgrade bridge_fgo, or leave "
-                       "cfg.optimizer.offload_optimizer_states False and " + FIX_BUILTIN)
+        return True, ("offload will run (mode auto) through Megatron-Core's chunked offloader, in runs whose "
+                      "config sets cfg.optimizer.chunked_optimizer_state_offload=True (or its deprecated alias "
+                      "offload_optimizer_states); runs without it are left alone")
     if generation == generations.NONE:
         return False, (f"offload will not run in mode auto: megatron-core {mcore} has no optimizer-state "
                        "offload (no released megatron-core has it), so cfg.optimizer.offload_optimizer_states "

@@ -25,7 +25,7 @@ CHUNKED_METHODS = (
 MEANING = {
     NONE: "this Megatron-Core has no optimizer-state offload; bridge_fgo's builtin engine can provide it",
     THREE_METHOD: "Megatron-Core's three-method offloader: bridge_fgo wires it when the config flag is set",
-    CHUNKED: "Megatron-Core's chunked offload API: not yet wired by this bridge_fgo",
+    CHUNKED: "Megatron-Core's chunked offload API: bridge_fgo wires it when the config flag is set",
 }
 
 

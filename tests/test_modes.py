@@ -44,23 +44,6 @@ def test_no_fgo_strict_raises_before_first_step():
     assert rig.events == []
 
 
-def test_chunked_generation_reported_not_wired(mocker, caplog_fgo):
-    from megatron.core.optimizer.optimizer import MegatronOptimizer
-
-    for m in ("offload_optimizer_state_for_forward", "prefetch_optimizer_state_for_gradient_finalization"):
-        mocker.patch.object(MegatronOptimizer, m, create=True, new=lambda self, *a, **k: None)
-    report = bridge_fgo.patch()
-    assert report.generation == "chunked"
-    rig = flagged()
-    harness.run_steps(rig, steps=1)
-    (msg,) = warnings_of(caplog_fgo)
-    assert "chunked" in msg and not any(c in rig.events for c in CALLS)
-    bridge_fgo.unpatch()
-    bridge_fgo.patch(strict=True)
-    with pytest.raises(BridgeFGOError, match="chunked"):
-        harness.run_steps(flagged(), steps=1)
-
-
 def test_offload_off_never_acts(three_method):
     bridge_fgo.patch(offload="off")
     rig = flagged()
