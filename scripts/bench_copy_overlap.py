@@ -5,7 +5,10 @@ CUDA_DEVICE_MAX_CONNECTIONS=1 (one hardware work queue shared by every stream).
 Compute on the current stream, timed with CUDA events on that stream: few long matmuls
 (compute-bound) or many short kernels (launch/latency-bound, like a small model's forward). Copies:
 300 tensors (8 GiB) into one pinned buffer on a side stream, issued just before. Prints JSON: each
-compute alone and with the copies running.
+compute alone, with the copies issued in one burst, and with the copies paced by a background thread
+(at most one 256 MiB chunk queued). small_kernels_with_item reads a scalar back every 750 kernels,
+as Megatron's loss checks do: such a tiny device-to-host copy queues behind whatever copies the
+copy engine already holds.
   CUDA_DEVICE_MAX_CONNECTIONS=1 python scripts/bench_copy_overlap.py
 """
 import json
@@ -52,6 +55,13 @@ def main():
         for _ in range(6000):
             x = (x @ small) * 1e-3 + 1.0
 
+    def small_kernels_with_item():  # ... reading a scalar back now and then, as loss checks do
+        x = small
+        for i in range(6000):
+            x = (x @ small) * 1e-3 + 1.0
+            if i % 750 == 749:
+                x.sum().item()
+
     side = torch.cuda.Stream()
 
     def copies(chunks=1):
@@ -60,24 +70,54 @@ def main():
             for src, dst in zip(srcs, slots):
                 dst.copy_(src, non_blocking=True)
 
+    import threading
+
+    pending = []
+
+    def paced_copies(chunk_bytes=256 * 2**20):
+        """A background thread keeps at most one chunk of copies queued on the copy engine."""
+        side.wait_stream(torch.cuda.current_stream())
+
+        def feed():
+            done, queued = None, 0
+            with torch.cuda.stream(side):
+                for src, dst in zip(srcs, slots):
+                    dst.copy_(src, non_blocking=True)
+                    queued += src.numel() * 4
+                    if queued >= chunk_bytes:
+                        if done is not None:
+                            done.synchronize()
+                        done, queued = torch.cuda.Event(), 0
+                        done.record(side)
+
+        t = threading.Thread(target=feed)
+        t.start()
+        pending.append(t)
+
     def compute_time(work, with_copies):
         """Seconds the compute stream spends on `work` (CUDA events), copies issued just before."""
         torch.cuda.synchronize()
-        if with_copies:
+        if with_copies == "paced":
+            paced_copies()
+        elif with_copies:
             copies()
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         work()
         b.record()
         torch.cuda.synchronize()
+        while pending:
+            pending.pop().join()
         return a.elapsed_time(b) / 1e3
 
     out = {"connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"), "copy_bytes": per * n_tensors,
            "copies_alone_s": timed(copies)}
-    for name, work in (("big_kernels", big_kernels), ("small_kernels", small_kernels)):
+    for name, work in (("big_kernels", big_kernels), ("small_kernels", small_kernels),
+                       ("small_kernels_with_item", small_kernels_with_item)):
         compute_time(work, False)  # warm-up
         out[f"{name}_alone_s"] = min(compute_time(work, False) for _ in range(3))
         out[f"{name}_with_copies_s"] = min(compute_time(work, True) for _ in range(3))
+        out[f"{name}_with_paced_copies_s"] = min(compute_time(work, "paced") for _ in range(3))
     print(json.dumps(out))
 
 
