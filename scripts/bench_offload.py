@@ -38,6 +38,10 @@ def run(args):
 
     if args.mode == "builtin":
         bridge_fgo.patch(offload="builtin")  # under bridge-fgo-run --offload builtin: already patched, a no-op
+    elif args.mode == "auto":
+        bridge_fgo.patch()  # Megatron-Core's own offloader, through cfg.optimizer.offload_optimizer_states
+    if args.bypass_te_adam_check:
+        bypass_te_adam_check()
     import torch
     from megatron.bridge.models.gpt_provider import GPTModelProvider, local_layer_spec
     from megatron.bridge.training import config as C
@@ -148,7 +152,10 @@ def run(args):
         rng=C.RNGConfig(seed=1234), mixed_precision="bf16_mixed",
     )
     report_holder = {}
-    if args.mode == "builtin":
+    if args.mode in ("flag", "auto"):
+        # a plain attribute where Megatron-Core has no such field (then nothing reads it)
+        opt.offload_optimizer_states = True
+    if args.mode in ("builtin", "auto"):
         # the per-optimizer figures, read before train() ends and unpatch would drop them
         inner_train = T.train_step
 
@@ -167,7 +174,8 @@ def run(args):
     steady = [r for r in recs if r["iter"] > 2]
     rank = int(os.environ.get("RANK", "0"))
     summary = {
-        "mode": args.mode, "rank": rank, "world_size": int(os.environ.get("WORLD_SIZE", "1")),
+        "mode": args.mode, "rank": rank, "megatron_core_from": os.path.dirname(sys.modules["megatron.core"].__file__),
+        "te_adam_check_bypassed": args.bypass_te_adam_check, "world_size": int(os.environ.get("WORLD_SIZE", "1")),
         "device": torch.cuda.get_device_name(), "torch": torch.__version__,
         "iters": len(recs), "pretrain_wall_s": wall,
         "first_iter_s": recs[0]["step_s"], "second_iter_s": recs[1]["step_s"] if len(recs) > 1 else None,
@@ -185,6 +193,43 @@ def run(args):
             json.dump({"summary": summary, "iters": recs}, f, indent=1)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+
+
+def bypass_te_adam_check():
+    """TEST-ONLY, for Megatron-Core's dev-line three-method offloader, whose constructor asserts
+    Transformer Engine's FusedAdam (absent on the lent GPU: Megatron-Core uses torch AdamW there).
+    During that constructor only, TE's optimizers module is a stand-in whose FusedAdam is the
+    optimizer's own class, and the optimizer gets master_weights=False (masters live in
+    shard_fp32_from_float16_groups, as with FusedAdam without master weights). Results that used it
+    say so (te_adam_check_bypassed)."""
+    import types
+
+    try:
+        from megatron.core.optimizer.cpu_offloading import optimizer_state_offloader as m
+    except ImportError:
+        return
+    original = m.OptimizerStateOffloader.__init__
+
+    def init(self, dist_opt, *a, **k):
+        names = ("transformer_engine", "transformer_engine.pytorch", "transformer_engine.pytorch.optimizers")
+        saved = {n: sys.modules.get(n) for n in names}
+        stand_in = types.ModuleType(names[-1])
+        stand_in.FusedAdam = type(dist_opt.optimizer)
+        for n in names[:-1]:
+            sys.modules[n] = types.ModuleType(n)
+        sys.modules[names[-1]] = stand_in
+        if not hasattr(dist_opt.optimizer, "master_weights"):
+            dist_opt.optimizer.master_weights = False
+        try:
+            original(self, dist_opt, *a, **k)
+        finally:
+            for n, mod in saved.items():
+                if mod is None:
+                    sys.modules.pop(n, None)
+                else:
+                    sys.modules[n] = mod
+
+    m.OptimizerStateOffloader.__init__ = init
 
 
 def bandwidth(gib=2, reps=5):
@@ -230,8 +275,9 @@ def run_all(args):
         path = os.path.join(args.out_dir, f"{tag}.json")
         log = os.path.join(args.out_dir, f"{tag}.log")
         with open(log, "w") as f:
+            extra = ["--bypass-te-adam-check"] if args.bypass_te_adam_check else []
             rc = subprocess.call([sys.executable, os.path.abspath(__file__), "run", "--mode", mode, "--iters",
-                                  str(args.iters), "--out", path], stdout=f, stderr=subprocess.STDOUT)
+                                  str(args.iters), "--out", path, *extra], stdout=f, stderr=subprocess.STDOUT)
         if rc != 0:
             sys.exit(f"{mode} run failed (rc={rc}); see {log}")
         with open(path) as f:
@@ -270,13 +316,18 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run")
-    r.add_argument("--mode", choices=("base", "builtin"), required=True)
+    r.add_argument("--mode", choices=("base", "builtin", "flag", "auto"), required=True,
+                   help="base: no offload; builtin: bridge_fgo's engine; flag: cfg.optimizer.offload_optimizer_states="
+                        "True without bridge_fgo; auto: the flag and bridge_fgo.patch()")
+    r.add_argument("--bypass-te-adam-check", action="store_true",
+                   help="test-only: let the dev-line offloader accept torch AdamW (see bypass_te_adam_check)")
     r.add_argument("--iters", type=int, default=10)
     r.add_argument("--out")
     a = sub.add_parser("all")
     a.add_argument("--out-dir", required=True)
     a.add_argument("--iters", type=int, default=10)
     a.add_argument("--modes", default="base,builtin")
+    a.add_argument("--bypass-te-adam-check", action="store_true")
     args = ap.parse_args()
     run(args) if args.cmd == "run" else run_all(args)
 
