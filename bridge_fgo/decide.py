@@ -65,7 +65,7 @@ def resolve(cfg, optimizer, options: Options) -> Optional[Session]:
     inner = inner_optimizers(optimizer)
     dist_opts = distributed_optimizers(inner)
     gen = _generation(optimizer, dist_opts)
-    mcore = generations.version("megatron-core") or "unknown"
+    mcore = generations.megatron_core_version() or "unknown"
 
     if options.offload == "builtin":
         if gen == generations.CHUNKED and requested:

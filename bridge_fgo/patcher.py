@@ -90,7 +90,7 @@ def _apply(p: _Patch, module) -> None:
     log.once(("patched",), logging.INFO,
              "%spatched megatron-bridge %s (%s%s); offload mode=%s; megatron-core %s offload: %s",
              log.rank_prefix(), _bridge_version(), ", ".join(built), f"; aliases {', '.join(p.aliases)}" if p.aliases else "",
-             p.options.offload, generations.version("megatron-core") or "unknown",
+             p.options.offload, generations.megatron_core_version() or "unknown",
              generations.installed_if_loaded() or "unknown")
 
 

@@ -165,3 +165,13 @@ def test_status_reports_disabled_and_never_raises(monkeypatch):
     monkeypatch.setenv("BRIDGE_FGO_OFFLOAD", "sometimes")
     bridge_fgo.patcher._current = None
     assert "BRIDGE_FGO_OFFLOAD='sometimes'" in bridge_fgo.status().reason
+
+
+def test_megatron_core_version_names_a_shadowing_source_tree(monkeypatch):
+    import megatron.core
+
+    from bridge_fgo import generations
+
+    assert generations.megatron_core_version() == "0.19.2"  # the wheel's 0.19.2+<build> is the same release
+    monkeypatch.setattr(megatron.core, "__version__", "0.19.0")  # a dev-line source tree on PYTHONPATH
+    assert generations.megatron_core_version().startswith("0.19.0 (loaded from ")
