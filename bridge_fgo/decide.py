@@ -10,7 +10,7 @@ from typing import List, Optional
 
 from . import config_checks, generations
 from .errors import BridgeFGOError
-from .log import logger, once, rank_prefix
+from .log import once, rank_prefix
 from .options import Options, env_name
 from .session import Session
 

@@ -16,8 +16,7 @@ plain synchronous copies.
 """
 from __future__ import annotations
 
-import logging
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Iterable, List, Optional, Tuple
 
 from .log import logger, rank_prefix
 

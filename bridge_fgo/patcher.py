@@ -143,7 +143,7 @@ def unpatch() -> rpt.Report:
             if p.callsites is not None:
                 p.callsites.close()
         finally:
-            for name, (original, wrapper) in p.wrappers.items():
+            for original, wrapper in p.wrappers.values():
                 # every binding of our wrapper, wherever it went (aliases bound after patching too)
                 for mod, key in list(targets.holders(wrapper)):
                     setattr(mod, key, original)

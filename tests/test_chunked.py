@@ -62,7 +62,7 @@ SURFACE = {name: inspect.signature(getattr(ChunkedChainedOptimizer, name)) for n
 def chunked(mocker):
     from megatron.core.optimizer.optimizer import MegatronOptimizer
 
-    for name, sig in SURFACE.items():
+    for name in SURFACE:
         mocker.patch.object(MegatronOptimizer, name, create=True, new=getattr(ChunkedChainedOptimizer, name))
 
 

@@ -1,7 +1,6 @@
 """The three call sites, driven through Bridge's real train_step."""
 import functools
 
-import pytest
 
 import bridge_fgo
 from bridge_fgo.callsites import is_reloading_finalize
