@@ -118,6 +118,33 @@ def main():
         out[f"{name}_alone_s"] = min(compute_time(work, False) for _ in range(3))
         out[f"{name}_with_copies_s"] = min(compute_time(work, True) for _ in range(3))
         out[f"{name}_with_paced_copies_s"] = min(compute_time(work, "paced") for _ in range(3))
+    # Host side: a memory-heavy Python workload (pointer chasing over a large list of objects, as a
+    # big framework's Python does), timed on the CPU with and without the copies writing host memory.
+    objs = [{"k": i, "v": [i, i + 1]} for i in range(3_000_000)]
+    order = list(range(len(objs)))
+    import random
+
+    random.Random(0).shuffle(order)
+
+    def python_work():
+        total = 0
+        for i in order[:1_500_000]:
+            total += objs[i]["v"][1]
+        return total
+
+    def cpu_time(with_copies):
+        torch.cuda.synchronize()
+        if with_copies:
+            copies()
+        t0 = time.perf_counter()
+        python_work()
+        dt = time.perf_counter() - t0
+        torch.cuda.synchronize()
+        return dt
+
+    cpu_time(False)
+    out["python_alone_s"] = min(cpu_time(False) for _ in range(3))
+    out["python_with_copies_s"] = min(cpu_time(True) for _ in range(3))
     print(json.dumps(out))
 
 
