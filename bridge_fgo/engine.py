@@ -137,18 +137,19 @@ class Engine:
         return out
 
     def predicted_bytes(self) -> int:
-        """Bytes once every state exists: parameters without state yet will get Adam's exp_avg and
-        exp_avg_sq, each shaped and typed like the (master) parameter."""
+        """Bytes once every state exists: what the current plan moves, plus, for parameters without
+        state yet, Adam's exp_avg and exp_avg_sq, each shaped and typed like the (master) parameter."""
         inner = self._inner()
         state = getattr(inner, "state", None) or {}
-        total = sum(_align(t.numel() * t.element_size()) for t in self.candidates())
+        total = sum(_align(n) for _, _, n in self.plan)
         for group in getattr(inner, "param_groups", None) or ():
             for p in group["params"]:
                 if not state.get(p):
                     total += 2 * _align(p.numel() * p.element_size())
         return total
 
-    def _replan(self, reserve: int = 0) -> None:
+    def _replan(self) -> int:
+        """Lay out the tensors to move in the host buffer; returns the bytes the layout needs."""
         tensors = self.candidates()
         offset, plan = 0, []
         for t in tensors:
@@ -158,8 +159,11 @@ class Engine:
         self.plan, self.signature = plan, self._state_signature()
         inner_params = [p for g in getattr(self._inner(), "param_groups", None) or () for p in g["params"]]
         self.cuda = any(t.is_cuda for t, _, _ in plan) or any(p.is_cuda for p in inner_params)
-        if self.buffer is None or self.buffer.nbytes < offset:
-            self._allocate(max(offset, reserve))
+        return offset
+
+    def _ensure_buffer(self, nbytes: int) -> None:
+        if self.buffer is None or self.buffer.nbytes < nbytes:
+            self._allocate(nbytes)
 
     def _allocate(self, nbytes: int) -> None:
         if self.buffer is not None:
@@ -177,7 +181,7 @@ class Engine:
     def prepare(self) -> None:
         """Before the first step: allocate (and pin) the host buffer for the predicted size, and run
         one DMA pass over it so the first training step does not pay for first use of its pages."""
-        self._replan(reserve=self.predicted_bytes())
+        self._ensure_buffer(max(self._replan(), self.predicted_bytes()))
         if self.cuda and self.buffer.nbytes:
             import torch
 
@@ -198,7 +202,7 @@ class Engine:
         if self.released:
             return 0  # the host copy is current; never read released storage
         if self.signature != self._state_signature() or self.buffer is None:
-            self._replan()  # states that appeared since (Adam's, after the first step)
+            self._ensure_buffer(self._replan())  # states that appeared since (Adam's, after the first step)
         if not self.plan:
             return 0
         if not self.cuda:

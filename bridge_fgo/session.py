@@ -58,7 +58,6 @@ class Session:
         self.steps = 0
         self.announced = False
         self.prepared = False
-        self.lock = threading.Lock()
 
     # -- the three call sites ------------------------------------------------------------------
     def offload(self) -> None:

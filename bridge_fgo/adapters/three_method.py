@@ -23,6 +23,8 @@ class ThreeMethodAdapter(Adapter):
 
     def __init__(self, dist_optimizers: List[object]):
         self.dist_optimizers = list(dist_optimizers)
+        # DistributedOptimizer builds its offloader in __init__: look once, not every step
+        self.offloaders = [off for opt in self.dist_optimizers for off in _offloaders(opt)]
 
     def offload(self) -> Optional[int]:
         for opt in self.dist_optimizers:
@@ -39,12 +41,9 @@ class ThreeMethodAdapter(Adapter):
         return None
 
     def wait_reload(self) -> None:
-        waited = False
-        for opt in self.dist_optimizers:
-            for off in _offloaders(opt):
-                off.sync_before_step()
-                waited = True
-        if not waited and self.dist_optimizers:
+        for off in self.offloaders:
+            off.sync_before_step()
+        if not self.offloaders and self.dist_optimizers:
             import torch
 
             if torch.cuda.is_available():  # no handle on the copy stream: wait for everything
