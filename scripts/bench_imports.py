@@ -1,6 +1,6 @@
 """Import Megatron-Bridge on a GPU box that lacks Transformer Engine, megatron-energon and PuLP.
 
-Transformer Engine: bridge_fgo.testing.te_free (one Bridge module's import neutralised).
+Transformer Engine: tests/support/te_free.py (one Bridge module's import neutralised).
 megatron.energon and pulp are imported at module level by code pretraining never runs (energon data
 modules; modelopt's architecture search): an inert placeholder module stands in, only when absent.
 """
@@ -10,7 +10,11 @@ import importlib.util
 import sys
 import types
 
-from bridge_fgo.testing import te_free
+import os
+
+# the TE-free import lives with the tests, outside the installed package
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "tests"))
+from support import te_free
 
 
 class _Placeholder(types.ModuleType):

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Demo: patch the real installed Megatron-Bridge and run its real train_step on CPU.
 
-Stand-ins replace only what needs a GPU or a cluster (bridge_fgo.testing.harness). Shows:
+Stand-ins replace only what needs a GPU or a cluster (tests/support/harness.py). Shows:
 1. offload=auto with cfg.optimizer.offload_optimizer_states=True on a Megatron-Core without
    offload (every release): one warning, nothing moved;
 2. offload=builtin: bridge_fgo's engine moves the optimizer's fp32 master weights and Adam moments
@@ -15,7 +15,12 @@ import torch
 logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s: %(message)s")
 logging.getLogger("bridge_fgo").setLevel(logging.INFO)
 
-from bridge_fgo.testing import harness, te_free  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+
+# the CPU harness lives with the tests, outside the installed package
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "tests"))
+from support import harness, te_free  # noqa: E402
 
 te_free.install()  # this machine has no Transformer Engine
 import bridge_fgo  # noqa: E402

@@ -1,7 +1,7 @@
 """Tests run against the real megatron-bridge 0.6.2 / megatron-core 0.19.2 on CPU.
 
 Transformer Engine cannot be installed here; the one Bridge module that imports it at module level
-is loaded with that import neutralised (bridge_fgo.testing.te_free), nothing else is faked.
+is loaded with that import neutralised (tests/support/te_free.py), nothing else is faked.
 """
 import logging
 import os
@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from bridge_fgo.testing import te_free
+from support import te_free
 
 te_free.install()
 

@@ -12,7 +12,7 @@ import pytest
 
 import bridge_fgo
 from bridge_fgo import BridgeFGOConfigError
-from bridge_fgo.testing import harness
+from support import harness
 
 
 class ChunkedChainedOptimizer(harness.ChainedOptimizer):

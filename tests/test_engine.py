@@ -6,7 +6,7 @@ import torch
 
 import bridge_fgo
 from bridge_fgo.engine import ALIGN, Engine
-from bridge_fgo.testing import harness
+from support import harness
 
 ORDER = ["zero_grad_buffer", "zero_grad", "param-buffer copy", "forward-backward",
          "finalize(pg_collection=pg_collection)", "step", "scheduler.step"]

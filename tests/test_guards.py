@@ -4,7 +4,7 @@ import pytest
 
 import bridge_fgo
 from bridge_fgo.session import RELEASED, RESIDENT, Adapter, Session
-from bridge_fgo.testing import harness
+from support import harness
 
 
 class Offloader:

@@ -5,7 +5,7 @@ import pytest
 
 import bridge_fgo
 from bridge_fgo import BridgeFGOConfigError, BridgeFGOError, BridgeFGOOptionError
-from bridge_fgo.testing import harness
+from support import harness
 
 CALLS = ("offload", "release", "reload")
 

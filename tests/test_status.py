@@ -16,7 +16,7 @@ import bridge_fgo
 from bridge_fgo import cli, diagnose as diagnose_mod, generations
 from bridge_fgo.errors import BridgeFGOError
 from bridge_fgo.options import Options
-from bridge_fgo.testing import harness
+from support import harness
 from conftest import ROOT
 
 BIN = os.path.dirname(sys.executable)

@@ -4,7 +4,7 @@ import functools
 
 import bridge_fgo
 from bridge_fgo.callsites import is_reloading_finalize
-from bridge_fgo.testing import harness
+from support import harness
 
 ORDER = ["zero_grad_buffer", "zero_grad", "offload", "param-buffer copy", "release", "forward-backward",
          "reload", "finalize(pg_collection=pg_collection)", "step", "scheduler.step"]

@@ -1,9 +1,11 @@
 """One patch/import ordering in a fresh process; exits non-zero with a message if it went wrong.
 Usage: ordering.py SCENARIO"""
 import importlib
+import os
 import sys
 
-from bridge_fgo.testing import te_free
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))  # tests/: support
+from support import te_free
 
 te_free.install()
 import bridge_fgo  # noqa: E402

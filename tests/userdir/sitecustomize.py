@@ -11,7 +11,8 @@ import importlib.abc
 import os
 import sys
 
-from bridge_fgo.testing import te_free
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))  # tests/: support
+from support import te_free
 
 te_free.install()
 USER_SITECUSTOMIZE_RAN = True
