@@ -43,6 +43,55 @@ def _flat(groups) -> Iterable:
                 yield t
 
 
+def _excluded_storages(opt) -> set:
+    """Storages that never move: model parameters, fp32 shards that alias them, param/grad buffers."""
+    keys = set()
+    for name in ("model_float16_groups", "model_fp32_groups", "shard_fp32_groups", "shard_float16_groups"):
+        keys.update(_storage_key(t) for t in _flat(getattr(opt, name, None)))
+    for buf in getattr(opt, "buffers", None) or ():
+        for attr in ("param_data", "grad_data"):
+            t = getattr(buf, attr, None)
+            if t is not None:
+                keys.add(_storage_key(t))
+    return keys
+
+
+def candidates(opt) -> Tuple[List[object], int]:
+    """The tensors of one DistributedOptimizer that move, in a stable order (master weights, then
+    each parameter's state), and how many were skipped because they share their storage."""
+    import torch
+
+    excluded = _excluded_storages(opt)
+    seen, out, skipped = set(), [], 0
+
+    def take(t):
+        nonlocal skipped
+        if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.numel() == 0:
+            return  # scalars such as Adam's step counter stay put
+        if t.device.type not in ("cuda", "cpu") or (t.device.type == "cpu" and torch.cuda.is_available()):
+            return  # already on the host
+        if t.untyped_storage().nbytes() == 0:
+            return  # released elsewhere; never copy from freed storage
+        key = _storage_key(t)
+        if key in excluded or key in seen:
+            return
+        if not _owns_storage(t):
+            skipped += 1
+            return
+        seen.add(key)
+        out.append(t)
+
+    for t in _flat(getattr(opt, "shard_fp32_from_float16_groups", None)):
+        take(t)
+    inner = getattr(opt, "optimizer", None)
+    state = getattr(inner, "state", None) or {}
+    for group in getattr(inner, "param_groups", None) or ():
+        for p in group["params"]:
+            for value in (state.get(p) or {}).values():
+                take(value)
+    return out, skipped
+
+
 class PinnedBuffer:
     """Page-locked host memory. Pinning through cudaHostRegister on a touched pageable tensor took
     1.2-2.5 s for 10 GB on an H100 host where torch.empty(pin_memory=True) took 9-10 s."""
@@ -86,54 +135,13 @@ class Engine:
     def _inner(self):
         return getattr(self.opt, "optimizer", None)
 
-    def _excluded_storages(self) -> set:
-        keys = set()
-        for name in ("model_float16_groups", "model_fp32_groups", "shard_fp32_groups", "shard_float16_groups"):
-            keys.update(_storage_key(t) for t in _flat(getattr(self.opt, name, None)))
-        for buf in getattr(self.opt, "buffers", None) or ():
-            for attr in ("param_data", "grad_data"):
-                t = getattr(buf, attr, None)
-                if t is not None:
-                    keys.add(_storage_key(t))
-        return keys
-
     def _state_signature(self):
         inner = self._inner()
         state = getattr(inner, "state", None) or {}
         return len(state), sum(len(v) for v in state.values() if isinstance(v, dict))
 
     def candidates(self) -> List[object]:
-        """The tensors to move, in a stable order: master weights, then each parameter's state."""
-        import torch
-
-        excluded = self._excluded_storages()
-        seen, out = set(), []
-        self.skipped_shared = 0
-
-        def take(t):
-            if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.numel() == 0:
-                return  # scalars such as Adam's step counter stay put
-            if t.device.type not in ("cuda", "cpu") or (t.device.type == "cpu" and torch.cuda.is_available()):
-                return  # already on the host
-            if t.untyped_storage().nbytes() == 0:
-                return  # released elsewhere; never copy from freed storage
-            key = _storage_key(t)
-            if key in excluded or key in seen:
-                return
-            if not _owns_storage(t):
-                self.skipped_shared += 1
-                return
-            seen.add(key)
-            out.append(t)
-
-        for t in _flat(getattr(self.opt, "shard_fp32_from_float16_groups", None)):
-            take(t)
-        inner = self._inner()
-        state = getattr(inner, "state", None) or {}
-        for group in getattr(inner, "param_groups", None) or ():
-            for p in group["params"]:
-                for value in (state.get(p) or {}).values():
-                    take(value)
+        out, self.skipped_shared = candidates(self.opt)
         return out
 
     def predicted_bytes(self) -> int:
@@ -274,3 +282,7 @@ class Engine:
     @property
     def pinned_bytes(self) -> int:
         return self.buffer.nbytes if self.buffer is not None else 0
+
+    @property
+    def tensors(self) -> int:
+        return len(self.plan)

@@ -36,13 +36,15 @@ class ModelChunk:
         self.events.add("zero_grad_buffer")
 
 
-def make_distributed_optimizer(events: Recorder, with_tensors: bool = False, seed: int = 0):
+def make_distributed_optimizer(events: Recorder, with_tensors: bool = False, seed: int = 0,
+                               shapes=((8, 8), (4, 8)), foreach=None):
     """A real megatron.core DistributedOptimizer instance without its GPU-bound constructor.
 
-    with_tensors: give it what the builtin engine reads, laid out as Megatron-Core does: bf16 model
-    params as views of one param buffer, fp32 master shards that own their storage, an fp32 model
-    param whose shard aliases it, and a real torch AdamW over the shards."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    with_tensors: give it what the engines read, laid out as Megatron-Core does: bf16 model params
+    (`shapes`) as views of one param buffer, fp32 master shards that own their storage, an fp32 model
+    param whose shard aliases it, a real torch AdamW over the shards (`foreach` passed through), and
+    the range maps Megatron-Core's own step_with_ready_grads / _copy_main_params_to_model_params read."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer, Range
 
     class StandInDistributedOptimizer(DistributedOptimizer):
         def __init__(self):  # noqa: D401 - the real one needs a model and a GPU
@@ -52,39 +54,73 @@ def make_distributed_optimizer(events: Recorder, with_tensors: bool = False, see
             self.events.add("param-buffer copy")
 
         def step_states(self):
-            """Adam step on the shards (grads made up, deterministic); what ChainedOptimizer.step does."""
+            """What ChainedOptimizer.step does once grads are ready: gradients attached to the masters
+            (made up, deterministic, as prepare_grads attaches the reduced ones), then Megatron-Core's
+            real step_with_ready_grads: the inner AdamW step and the master -> param-buffer copy."""
             import torch
 
-            for t in [*self.shard_fp32_from_float16_groups[0], *self.shard_fp32_groups[0]]:
-                assert t.untyped_storage().nbytes() > 0, "optimizer step read released storage"
             for group in self.optimizer.param_groups:
                 for p in group["params"]:
-                    for v in self.optimizer.state.get(p, {}).values():
-                        if v.dim():
-                            assert v.untyped_storage().nbytes() > 0, "optimizer step read released state"
-                    p.grad = torch.sin(p.detach() * 3.0 + self._gen)
+                    g = torch.arange(p.numel(), dtype=p.dtype).view(p.shape)
+                    p.grad = torch.sin(g * 0.37 + self._gen)
             self._gen += 1
-            self.optimizer.step()
+            return self.step_with_ready_grads()
 
     opt = StandInDistributedOptimizer()
     opt.with_tensors = with_tensors
     if with_tensors:
         import torch
 
+        ns = types.SimpleNamespace
         g = torch.Generator().manual_seed(seed)
-        param_buffer = torch.randn(96, generator=g).bfloat16()
-        model16 = [param_buffer[:64].view(8, 8), param_buffer[64:].view(4, 8)]
-        fp32_model = torch.nn.Parameter(torch.randn(16, generator=g))
-        opt.buffers = [types.SimpleNamespace(param_data=param_buffer, grad_data=torch.zeros(96))]
+        sizes = [int(torch.Size(s).numel()) for s in shapes]
+        param_buffer = torch.randn(sum(sizes), generator=g).bfloat16()
+        model16, start = [], 0
+        for shape, n in zip(shapes, sizes):
+            model16.append(param_buffer[start:start + n].view(shape))
+            start += n
+        fp32_buffer = torch.randn(16, generator=g)
+        fp32_model = torch.nn.Parameter(fp32_buffer.view(16))
+
+        def ranges(begin, end):
+            return {"param": Range(0, end - begin), "gbuf_world_in_bucket": Range(begin, end),
+                    "gbuf_world": Range(begin, end), "gbuf_local": Range(begin, end)}
+
+        opt.buffers = [ns(param_data=param_buffer, grad_data=torch.zeros(sum(sizes)),
+                          buckets=[ns(param_data=param_buffer)]),
+                       ns(param_data=fp32_buffer, grad_data=torch.zeros(16), buckets=[ns(param_data=fp32_buffer)])]
+        opt.model_param_gbuf_map = {**{p: (0, torch.bfloat16, 0) for p in model16}, fp32_model: (1, torch.float32, 0)}
+        param_map, start = {}, 0
+        for p, n in zip(model16, sizes):
+            param_map[p] = ranges(start, start + n)
+            start += n
+        opt.gbuf_ranges = [{torch.bfloat16: [{"param_map": param_map}]},
+                           {torch.float32: [{"param_map": {fp32_model: ranges(0, 16)}}]}]
         opt.model_float16_groups = [model16]
         opt.model_fp32_groups = [[fp32_model]]
-        opt.shard_fp32_from_float16_groups = [[torch.nn.Parameter(p.detach().view(-1).clone().float())
-                                               for p in model16]]
+        opt.shard_fp32_from_float16_groups = [[p.detach().view(-1).clone().float() for p in model16]]
         opt.shard_fp32_groups = [[fp32_model.detach().view(-1)[:16]]]  # aliases the model parameter
         opt.optimizer = torch.optim.AdamW([*opt.shard_fp32_from_float16_groups[0], *opt.shard_fp32_groups[0]],
-                                          lr=1e-2)
+                                          lr=1e-2, foreach=foreach)
+        opt.config = ns(timers=None, reuse_grad_buf_for_mxfp8_param_ag=False, barrier_with_L1_time=False,
+                        use_precision_aware_optimizer_no_fp8_or_ds_fp8=False)
+        opt.ddp_config = ns(overlap_param_gather=True, use_megatron_fsdp=False, fp8_param_gather=False,
+                            fp4_param_gather=False)
+        opt.is_stub_optimizer = False
         opt._gen = 0
+        opt.optimizer.register_step_pre_hook(_no_released_storage)
     return opt
+
+
+def _no_released_storage(optimizer, args, kwargs):
+    """Every update, whole or one chunk of it, reads only whole storage: the parameters it steps
+    and their states."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            assert p.untyped_storage().nbytes() > 0, "the optimizer step read a released parameter"
+            for v in optimizer.state.get(p, {}).values():
+                if v.dim():
+                    assert v.untyped_storage().nbytes() > 0, "the optimizer step read a released state"
 
 
 class ChainedOptimizer:
