@@ -309,7 +309,6 @@ class StreamedEngine:
         self.armed = False
         self._prefetched = None
         if self.cuda:  # the D2H tail (the last chunk) ends before any reader can look at the host copy
-            self._d2h.wait_stream(torch.cuda.current_stream())
             self._d2h.synchronize()
         for e in self.entries:
             t = self._current(e)
@@ -543,6 +542,10 @@ class StreamedEngine:
     @property
     def pinned_bytes(self) -> int:
         return self.buffer.nbytes if self.buffer is not None else 0
+
+    @property
+    def master_bytes(self) -> int:
+        return sum(e.nbytes for e in self.entries if e.key is None)
 
     @property
     def tensors(self) -> int:

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Benchmark: real Megatron-Bridge pretrain() with and without bridge_fgo's builtin offload engine.
 
-  python scripts/bench_offload.py all --out-dir DIR          # every mode, one process each, + summary
-  python scripts/bench_offload.py run --mode builtin --out F # one mode (under torchrun too)
+  python scripts/bench_offload.py all --out-dir DIR --modes base,builtin:0,builtin:256,dev-base,dev-auto:256
+  python scripts/bench_offload.py run --mode builtin --chunk-mb 256 --out F   # one mode (under torchrun too)
 
 Workload: Llama-style GPT, 887M parameters (16 layers, hidden 2048, ffn 5632, seq 1024, mbs 2, gbs 16),
 bf16, distributed optimizer (torch AdamW inside: no Transformer Engine), mock data, Megatron-Core's
@@ -37,7 +37,8 @@ def run(args):
     import bridge_fgo
 
     if args.mode == "builtin":
-        bridge_fgo.patch(offload="builtin")  # under bridge-fgo-run --offload builtin: already patched, a no-op
+        # under bridge-fgo-run --offload builtin: already patched, a no-op
+        bridge_fgo.patch(offload="builtin", **({} if args.chunk_mb is None else {"chunk_mb": args.chunk_mb}))
     elif args.mode == "auto":
         bridge_fgo.patch()  # Megatron-Core's own offloader, through cfg.optimizer.offload_optimizer_states
     if args.bypass_te_adam_check:
@@ -122,6 +123,9 @@ def run(args):
     sched = C.SchedulerConfig(start_weight_decay=0.033, end_weight_decay=0.033, weight_decay_incr_style="constant",
                               lr_decay_style="cosine", lr_warmup_iters=2, lr_warmup_init=0.0, lr_decay_iters=None,
                               override_opt_param_scheduler=True)
+    # full activation recomputation: activations shrink to one layer's, so optimizer states dominate
+    recompute = (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+                 if args.recompute else {})
     off = dict(masked_softmax_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
                gradient_accumulation_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
                cross_entropy_loss_fusion=False)
@@ -131,7 +135,7 @@ def run(args):
         gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False,
         position_embedding_type="rope", share_embeddings_and_output_weights=False, make_vocab_size_divisible_by=128,
         bf16=True, params_dtype=torch.bfloat16, attention_dropout=0.0, hidden_dropout=0.0,
-        tensor_model_parallel_size=1, pipeline_model_parallel_size=1, **off)
+        tensor_model_parallel_size=1, pipeline_model_parallel_size=1, **off, **recompute)
     overlap = int(os.environ.get("WORLD_SIZE", "1")) > 1
     cfg = C.ConfigContainer(
         model=model,
@@ -155,6 +159,8 @@ def run(args):
     if args.mode in ("flag", "auto"):
         # a plain attribute where Megatron-Core has no such field (then nothing reads it)
         opt.offload_optimizer_states = True
+        if args.chunk_mb is not None:  # Megatron-Core's chunked line (dev since 2026-08-18)
+            opt.optimizer_state_offload_chunk_size_mb = args.chunk_mb
     if args.mode in ("builtin", "auto"):
         # the per-optimizer figures, read before train() ends and unpatch would drop them
         inner_train = T.train_step
@@ -174,13 +180,15 @@ def run(args):
     steady = [r for r in recs if r["iter"] > 2]
     rank = int(os.environ.get("RANK", "0"))
     summary = {
-        "mode": args.mode, "rank": rank, "megatron_core_from": os.path.dirname(sys.modules["megatron.core"].__file__),
+        "mode": args.mode, "chunk_mb": args.chunk_mb, "recompute": args.recompute, "rank": rank, "megatron_core_from": os.path.dirname(sys.modules["megatron.core"].__file__),
         "te_adam_check_bypassed": args.bypass_te_adam_check, "world_size": int(os.environ.get("WORLD_SIZE", "1")),
         "device": torch.cuda.get_device_name(), "torch": torch.__version__,
         "iters": len(recs), "pretrain_wall_s": wall,
         "first_iter_s": recs[0]["step_s"], "second_iter_s": recs[1]["step_s"] if len(recs) > 1 else None,
         "steady_step_median_s": statistics.median(r["step_s"] for r in steady),
         "steady_fwdbwd_peak_gib": max(r["fwdbwd_peak_gib"] for r in steady),
+        "resident_gib": statistics.median(r["alloc_fwdbwd_entry_gib"] for r in steady),
+        "steady_iter_peak_gib": max(r["iter_peak_gib"] for r in steady),
         "max_iter_peak_gib": max(r["iter_peak_gib"] for r in recs),
         "losses": [r["loss"] for r in recs],
         "final_params_sha256": h.hexdigest(),
@@ -257,59 +265,101 @@ def bandwidth(gib=2, reps=5):
     return out
 
 
-def pool(runs):
-    """One summary from repeated runs of a mode: medians of the per-run figures."""
-    if len(runs) == 1:
-        return runs[0]
-    out = dict(runs[-1])
-    for key in ("steady_step_median_s", "first_iter_s", "steady_fwdbwd_peak_gib"):
-        out[key] = statistics.median(r[key] for r in runs)
+def parse_modes(text):
+    """'base,builtin:0,builtin:64,dev-base,dev-auto:256' -> [(tag, mode, chunk_mb, dev)]. A mode may
+    repeat (A/B/A/B), then its tags get a run number. dev-: Megatron-Core from --dev-mcore."""
+    tokens = text.split(",")
+    out = []
+    for i, token in enumerate(tokens):
+        name, _, mb = token.partition(":")
+        dev = name.startswith("dev-")
+        mode = name[4:] if dev else name
+        tag = name + mb
+        if tokens.count(token) > 1:
+            tag += f"_{i}"
+        out.append((tag, mode, int(mb) if mb else None, dev))
+    return out
+
+
+def checks(runs, default_mb):
+    """The streamed step's targets (issue 9), as ratios within this call."""
+    base, one, streamed = runs.get("base"), runs.get("builtin0"), runs.get(f"builtin{default_mb}")
+    dev_base, chunked = runs.get("dev-base"), next((v for k, v in runs.items() if k.startswith("dev-auto")), None)
+    if not (base and streamed):
+        return {}
+    sess = streamed["sessions"]
+    step_peak = sum(s.get("step_peak_bytes", 0) for s in sess) / GIB
+    offloaded = sum(s.get("bytes", 0) for s in sess)
+    pinned = sum(s.get("pinned_bytes", 0) for s in sess)
+    masters = sum(s.get("master_bytes", 0) for s in sess) / GIB
+    floor = max(streamed["steady_fwdbwd_peak_gib"], streamed["resident_gib"])
+    bound = (floor + step_peak) * 1.03
+    overhead = streamed["steady_step_median_s"] - base["steady_step_median_s"]
+    out = {
+        "whole_iteration_peak_gib": {k: v["steady_iter_peak_gib"] for k, v in runs.items()},
+        "forward_backward_peak_gib": {k: v["steady_fwdbwd_peak_gib"] for k, v in runs.items()},
+        "steady_step_median_s": {k: v["steady_step_median_s"] for k, v in runs.items()},
+        "first_iter_s": {k: v["first_iter_s"] for k, v in runs.items()},
+        "losses_bit_identical": len({json.dumps(v["losses"]) for v in runs.values()}) == 1,
+        "final_params_identical": len({v["final_params_sha256"] for v in runs.values()}) == 1,
+        "peak_bound_gib": bound,
+        "peak_within_bound": streamed["steady_iter_peak_gib"] <= bound,
+        "step_peak_gib": step_peak,
+        "master_gib": masters,
+        "builtin_overhead_s": overhead,
+        "first_iter_ratio": streamed["first_iter_s"] / base["first_iter_s"],
+        "first_iter_within_1_2x": streamed["first_iter_s"] <= 1.2 * base["first_iter_s"],
+        "bytes_offloaded": offloaded,
+        "pinned_over_offloaded": pinned / offloaded if offloaded else None,
+        "pinned_within_5pct": bool(offloaded) and abs(pinned / offloaded - 1) <= 0.05,
+    }
+    if one:
+        out["one_window_peak_gib"] = one["steady_iter_peak_gib"]
+    if chunked:
+        chunked_overhead = chunked["steady_step_median_s"] - (dev_base or base)["steady_step_median_s"]
+        gap = chunked["steady_iter_peak_gib"] - streamed["steady_iter_peak_gib"]
+        out.update({
+            "chunked_overhead_s": chunked_overhead,
+            "overhead_over_chunked": overhead / chunked_overhead if chunked_overhead > 0 else None,
+            "overhead_within_0_8x_chunked": overhead <= 0.8 * chunked_overhead,
+            "peak_below_chunked_gib": gap,
+            "peak_below_chunked_over_masters": gap / masters if masters else None,
+            "peak_below_chunked_by_80pct_masters": bool(masters) and gap >= 0.8 * masters,
+        })
     return out
 
 
 def run_all(args):
     os.makedirs(args.out_dir, exist_ok=True)
-    results, reps = {}, {}
-    for i, mode in enumerate(args.modes.split(",")):  # a mode may repeat (A/B/A/B): noise shows
-        tag = mode if args.modes.split(",").count(mode) == 1 else f"{mode}{i}"
+    results = {}
+    for tag, mode, chunk_mb, dev in parse_modes(args.modes):
         path = os.path.join(args.out_dir, f"{tag}.json")
         log = os.path.join(args.out_dir, f"{tag}.log")
+        env = dict(os.environ)
+        if dev:
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.abspath(args.dev_mcore), env.get("PYTHONPATH")) if p)
+        cmd = [sys.executable, os.path.abspath(__file__), "run", "--mode", mode, "--iters", str(args.iters),
+               "--out", path]
+        cmd += ["--chunk-mb", str(chunk_mb)] if chunk_mb is not None else []
+        cmd += ["--recompute"] if args.recompute else []
+        cmd += ["--bypass-te-adam-check"] if args.bypass_te_adam_check else []
         with open(log, "w") as f:
-            extra = ["--bypass-te-adam-check"] if args.bypass_te_adam_check else []
-            rc = subprocess.call([sys.executable, os.path.abspath(__file__), "run", "--mode", mode, "--iters",
-                                  str(args.iters), "--out", path, *extra], stdout=f, stderr=subprocess.STDOUT)
+            rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
         if rc != 0:
-            sys.exit(f"{mode} run failed (rc={rc}); see {log}")
+            print(f"{tag} run failed (rc={rc}); see {log}", flush=True)
+            continue
         with open(path) as f:
             results[tag] = json.load(f)["summary"]
-        reps.setdefault(mode, []).append(results[tag])
-    bw = bandwidth()
-    summary = {"bandwidth": bw, "runs": results}
-    if "base" in reps and "builtin" in reps:
-        base, eng = pool(reps["base"]), pool(reps["builtin"])
-        offloaded = max(s["bytes"] for s in eng["sessions"]) if eng["sessions"] else 0
-        pinned = sum(s.get("pinned_bytes", 0) for s in eng["sessions"])
-        bound = offloaded / (bw["h2d_GBps"] * 1e9)
-        overhead = eng["steady_step_median_s"] - base["steady_step_median_s"]
-        drop = (base["steady_fwdbwd_peak_gib"] - eng["steady_fwdbwd_peak_gib"]) * GIB
-        summary["comparison"] = {
-            "bytes_offloaded_per_step": offloaded,
-            "pinned_host_bytes": pinned,
-            "losses_bit_identical": all(r["losses"] == reps["base"][0]["losses"] for r in reps["base"] + reps["builtin"]),
-            "final_params_identical": len({r["final_params_sha256"] for r in reps["base"] + reps["builtin"]}) == 1,
-            "steady_step_median_s": {"base": base["steady_step_median_s"], "builtin": eng["steady_step_median_s"]},
-            "first_iter_s": {"base": base["first_iter_s"], "builtin": eng["first_iter_s"]},
-            "fwdbwd_peak_drop_bytes": drop,
-            "fwdbwd_drop_over_offloaded": drop / offloaded if offloaded else None,
-            "steady_overhead_s": overhead,
-            "exposed_transfer_bound_s": bound,
-            "overhead_over_bound": overhead / bound if bound else None,
-            "first_iter_ratio": eng["first_iter_s"] / base["first_iter_s"],
-            "pinned_over_offloaded": pinned / offloaded if offloaded else None,
-        }
+        print(f"{tag}: iteration peak {results[tag]['steady_iter_peak_gib']:.2f} GiB, forward-backward "
+              f"{results[tag]['steady_fwdbwd_peak_gib']:.2f} GiB, step {results[tag]['steady_step_median_s']:.3f} s, "
+              f"first {results[tag]['first_iter_s']:.2f} s", flush=True)
+    summary = {"workload": "887M" + (" full recompute" if args.recompute else ""), "runs": results,
+               "checks": checks(results, args.default_chunk_mb)}
+    if args.bandwidth:
+        summary["bandwidth"] = bandwidth()
     with open(os.path.join(args.out_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
-    print(json.dumps(summary, indent=1))
+    print(json.dumps(summary["checks"], indent=1))
 
 
 def main():
@@ -322,11 +372,18 @@ def main():
     r.add_argument("--bypass-te-adam-check", action="store_true",
                    help="test-only: let the dev-line offloader accept torch AdamW (see bypass_te_adam_check)")
     r.add_argument("--iters", type=int, default=10)
+    r.add_argument("--chunk-mb", type=int, help="builtin: bridge_fgo's window; auto: Megatron-Core's chunk size")
+    r.add_argument("--recompute", action="store_true", help="full activation recomputation")
     r.add_argument("--out")
     a = sub.add_parser("all")
     a.add_argument("--out-dir", required=True)
     a.add_argument("--iters", type=int, default=10)
-    a.add_argument("--modes", default="base,builtin")
+    a.add_argument("--modes", default="base,builtin:0,builtin:256",
+                   help="comma-separated MODE[:CHUNK_MB]; a dev- prefix runs with --dev-mcore first on PYTHONPATH")
+    a.add_argument("--dev-mcore", default=".mlm", help="a Megatron-LM source tree (its megatron/core) for dev- modes")
+    a.add_argument("--default-chunk-mb", type=int, default=256, help="the window the targets judge")
+    a.add_argument("--recompute", action="store_true")
+    a.add_argument("--bandwidth", action="store_true", help="also measure pinned host<->device bandwidth")
     a.add_argument("--bypass-te-adam-check", action="store_true")
     args = ap.parse_args()
     run(args) if args.cmd == "run" else run_all(args)

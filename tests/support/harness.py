@@ -37,13 +37,14 @@ class ModelChunk:
 
 
 def make_distributed_optimizer(events: Recorder, with_tensors: bool = False, seed: int = 0,
-                               shapes=((8, 8), (4, 8)), foreach=None):
+                               shapes=((8, 8), (4, 8)), foreach=None, device="cpu"):
     """A real megatron.core DistributedOptimizer instance without its GPU-bound constructor.
 
     with_tensors: give it what the engines read, laid out as Megatron-Core does: bf16 model params
     (`shapes`) as views of one param buffer, fp32 master shards that own their storage, an fp32 model
     param whose shard aliases it, a real torch AdamW over the shards (`foreach` passed through), and
-    the range maps Megatron-Core's own step_with_ready_grads / _copy_main_params_to_model_params read."""
+    the range maps Megatron-Core's own step_with_ready_grads / _copy_main_params_to_model_params read.
+    device: where the "GPU" tensors live (cpu in the tests; cuda in scripts/check_streamed_cuda.py)."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer, Range
 
     class StandInDistributedOptimizer(DistributedOptimizer):
@@ -61,7 +62,7 @@ def make_distributed_optimizer(events: Recorder, with_tensors: bool = False, see
 
             for group in self.optimizer.param_groups:
                 for p in group["params"]:
-                    g = torch.arange(p.numel(), dtype=p.dtype).view(p.shape)
+                    g = torch.arange(p.numel(), dtype=p.dtype, device=p.device).view(p.shape)
                     p.grad = torch.sin(g * 0.37 + self._gen)
             self._gen += 1
             return self.step_with_ready_grads()
@@ -74,21 +75,22 @@ def make_distributed_optimizer(events: Recorder, with_tensors: bool = False, see
         ns = types.SimpleNamespace
         g = torch.Generator().manual_seed(seed)
         sizes = [int(torch.Size(s).numel()) for s in shapes]
-        param_buffer = torch.randn(sum(sizes), generator=g).bfloat16()
+        param_buffer = torch.randn(sum(sizes), generator=g).bfloat16().to(device)
         model16, start = [], 0
         for shape, n in zip(shapes, sizes):
             model16.append(param_buffer[start:start + n].view(shape))
             start += n
-        fp32_buffer = torch.randn(16, generator=g)
+        fp32_buffer = torch.randn(16, generator=g).to(device)
         fp32_model = torch.nn.Parameter(fp32_buffer.view(16))
 
         def ranges(begin, end):
             return {"param": Range(0, end - begin), "gbuf_world_in_bucket": Range(begin, end),
                     "gbuf_world": Range(begin, end), "gbuf_local": Range(begin, end)}
 
-        opt.buffers = [ns(param_data=param_buffer, grad_data=torch.zeros(sum(sizes)),
+        opt.buffers = [ns(param_data=param_buffer, grad_data=torch.zeros(sum(sizes), device=device),
                           buckets=[ns(param_data=param_buffer)]),
-                       ns(param_data=fp32_buffer, grad_data=torch.zeros(16), buckets=[ns(param_data=fp32_buffer)])]
+                       ns(param_data=fp32_buffer, grad_data=torch.zeros(16, device=device),
+                          buckets=[ns(param_data=fp32_buffer)])]
         opt.model_param_gbuf_map = {**{p: (0, torch.bfloat16, 0) for p in model16}, fp32_model: (1, torch.float32, 0)}
         param_map, start = {}, 0
         for p, n in zip(model16, sizes):
