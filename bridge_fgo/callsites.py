@@ -15,15 +15,16 @@ transparent.
 from __future__ import annotations
 
 import contextvars
-from typing import List, Optional
+import functools
+from typing import Dict, Optional, Tuple
 
 import wrapt
 
-from . import decide
+from . import decide, targets
 from .errors import BridgeFGOConfigError
 from .options import Options
 from .session import Registry, Session
-from .targets import TRAIN, TRAIN_STEP, Layout, argument
+from .targets import Layout, argument
 
 
 class ReloadingFinalize(wrapt.FunctionWrapper):
@@ -68,9 +69,15 @@ class CallSites:
         self.index = layout.param_index
         self.registry = Registry()
         self.enabled = True
-        self.wrapped_configs: List[object] = []
-        self.wrappers: dict = {}  # id(model config) -> the wrapper installed there
+        # id(model config) -> (the config, the wrapper installed there): restored by close()
+        self.finalizers: Dict[int, Tuple[object, ReloadingFinalize]] = {}
         self._current: contextvars.ContextVar = contextvars.ContextVar("bridge_fgo_session", default=None)
+
+    def site(self, target: targets.Target):
+        """The wrapt wrapper for a target, chosen by its role."""
+        method = {targets.LOOP: self.train, targets.STEP: self.train_step,
+                  targets.RELEASE_SITE: self.copy_helper}[target.role]
+        return functools.partial(method, target.name)
 
     # -- deciding ---------------------------------------------------------------------------------
     def _session(self, which: str, args, kwargs) -> Optional[Session]:
@@ -88,7 +95,7 @@ class CallSites:
 
         config = get_model_config(model[0])
         func = config.finalize_model_grads_func
-        mine = self.wrappers.get(id(config))
+        mine = self.finalizers.get(id(config), (None, None))[1]
         # Installed once per config. Something may wrap our wrapper afterwards (a profiler, a user's
         # hook): still reached, still fine. If it was replaced outright, install again, or the
         # optimizer step would read released storage.
@@ -101,16 +108,15 @@ class CallSites:
             )
         wrapper = ReloadingFinalize(func, self._finalize)
         config.finalize_model_grads_func = wrapper
-        self.wrappers[id(config)] = wrapper
-        self.wrapped_configs.append(config)
+        self.finalizers[id(config)] = (config, wrapper)
 
     # -- wrappers ---------------------------------------------------------------------------------
-    def train(self, wrapped, instance, args, kwargs):
-        session = self._session(TRAIN, args, kwargs) if self.enabled else None
+    def train(self, name, wrapped, instance, args, kwargs):
+        session = self._session(name, args, kwargs) if self.enabled else None
         if session is None:
             return wrapped(*args, **kwargs)
         session.prepare()
-        self._install_finalize(argument(self.index[TRAIN], "model", args, kwargs))
+        self._install_finalize(argument(self.index[name], "model", args, kwargs))
         ok = False
         try:
             result = wrapped(*args, **kwargs)
@@ -119,19 +125,19 @@ class CallSites:
         finally:
             session.ensure_resident()
             if ok:
-                session.summary(requested=True, strict=self.options.strict)
+                session.summary(strict=self.options.strict)
             else:
                 try:
-                    session.summary(requested=True, strict=False)
+                    session.summary(strict=False)
                 except Exception:  # never mask the training exception
                     pass
 
-    def train_step(self, wrapped, instance, args, kwargs):
-        session = self._session(TRAIN_STEP, args, kwargs) if self.enabled else None
+    def train_step(self, name, wrapped, instance, args, kwargs):
+        session = self._session(name, args, kwargs) if self.enabled else None
         if session is None:
             return wrapped(*args, **kwargs)
         session.prepare()
-        self._install_finalize(argument(self.index[TRAIN_STEP], "model", args, kwargs))
+        self._install_finalize(argument(self.index[name], "model", args, kwargs))
         token = self._current.set(session)
         try:
             result = wrapped(*args, **kwargs)
@@ -142,7 +148,7 @@ class CallSites:
         session.announce_first_step()
         return result
 
-    def copy_helper(self, wrapped, instance, args, kwargs):
+    def copy_helper(self, name, wrapped, instance, args, kwargs):
         session = self._current.get() if self.enabled else None
         if session is None:
             return wrapped(*args, **kwargs)
@@ -166,10 +172,9 @@ class CallSites:
         """States resident, host buffers dropped, finalize functions restored, wrappers transparent."""
         for session in self.registry.clear():
             session.close()
-        for config in self.wrapped_configs:
+        for config, _ in self.finalizers.values():
             func = getattr(config, "finalize_model_grads_func", None)
             if is_reloading_finalize(func, owner=self):
                 config.finalize_model_grads_func = func.__wrapped__
-        self.wrapped_configs.clear()
-        self.wrappers.clear()
+        self.finalizers.clear()
         self.enabled = False

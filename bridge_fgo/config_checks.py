@@ -1,11 +1,12 @@
 """Configurations optimizer-state offload cannot serve, refused before the first step.
 
-Each check names the field and the fix. The list follows Megatron-LM's own argument checks for
+Each check names the field and the fix. A generation's own refusals come from its declaration
+(adapters/<generation>.py) and are listed first. The shared list follows Megatron-LM's own argument checks for
 offload (distributed optimizer, adam, no Megatron-FSDP) and what cannot be combined with it.
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List, Sequence
 
 from .errors import BridgeFGOConfigError
 
@@ -20,12 +21,11 @@ def _full_iteration_cuda_graph(model_cfg) -> bool:
 
 
 def problems(cfg, inner_optimizers: List[object], dist_optimizers: List[object], who: str,
-             generation: Optional[str] = None) -> List[str]:
-    """Every reason `cfg` (Bridge's ConfigContainer) cannot be served; empty when it can."""
+             extra: Sequence[str] = ()) -> List[str]:
+    """Every reason `cfg` (Bridge's ConfigContainer) cannot be served; empty when it can.
+    `extra`: the refusals of the generation that would serve it (Generation.refusals)."""
     opt, ddp, dist = getattr(cfg, "optimizer", None), getattr(cfg, "ddp", None), getattr(cfg, "dist", None)
-    out = []
-    if generation == "chunked":
-        out += _chunked_checkpoint_problems(getattr(cfg, "checkpoint", None))
+    out = list(extra)
     if not getattr(opt, "use_distributed_optimizer", False):
         out.append(
             "cfg.optimizer.use_distributed_optimizer=False: set it (and cfg.ddp.use_distributed_optimizer) to "
@@ -64,25 +64,9 @@ def problems(cfg, inner_optimizers: List[object], dist_optimizers: List[object],
     return out
 
 
-def _chunked_checkpoint_problems(ckpt) -> List[str]:
-    """Megatron-LM dev's own checks for the chunked line (arguments.py, checkpointing.py at d48bd6be)."""
-    if ckpt is None:
-        return []
-    out = []
-    saves_optim = getattr(ckpt, "save", None) and getattr(ckpt, "save_optim", True)
-    loads_optim = getattr(ckpt, "load", None) and getattr(ckpt, "load_optim", True)
-    if saves_optim and getattr(ckpt, "async_save", False):
-        out.append("cfg.checkpoint.async_save=True while optimizer state is saved: the chunked offload's pinned "
-                   "buffers cannot be handed to a background writer; set async_save=False or save_optim=False")
-    if (saves_optim or loads_optim) and getattr(ckpt, "ckpt_format", "torch_dist") != "torch_dist":
-        out.append(f"cfg.checkpoint.ckpt_format={ckpt.ckpt_format!r}: the chunked offload needs 'torch_dist' when "
-                   "optimizer state is saved or loaded")
-    return out
-
-
 def check(cfg, inner_optimizers: List[object], dist_optimizers: List[object], who: str,
-          generation: Optional[str] = None) -> None:
-    found = problems(cfg, inner_optimizers, dist_optimizers, who, generation)
+          extra: Sequence[str] = ()) -> None:
+    found = problems(cfg, inner_optimizers, dist_optimizers, who, extra)
     if found:
         raise BridgeFGOConfigError(
             "optimizer-state offload cannot run with this configuration:\n  - " + "\n  - ".join(found)

@@ -1,23 +1,49 @@
-"""What to do for one training run: offload or not, with which adapter, or why not.
+"""What a run does: whether the patch applies to Bridge's layout, and per optimizer whether offload
+runs, through which generation's adapter, or why not.
 
-Decided from the objects (the config and the optimizer in hand), at the first train()/train_step
-call, so a refused configuration stops the run before its first step.
+patch() uses these at run time (patcher.py, callsites.py) and `bridge-fgo status` uses the same
+functions for its prediction (diagnose.py). Per-optimizer decisions are made from the objects (the
+config and the optimizer in hand) at the first train()/train_step call, so a refused configuration
+stops the run before its first step.
 """
 from __future__ import annotations
 
 import logging
-from typing import List, Optional
+from typing import List, Optional, Sequence, Tuple
 
-from . import config_checks, generations
-from .errors import BridgeFGOError
+from . import adapters, config_checks, generations, report as rpt
+from .adapters import Generation
+from .errors import BridgeFGOConfigError, BridgeFGOError
 from .log import once, rank_prefix
-from .options import Options, env_name
+from .options import Options
 from .session import Session
 
-FIX_BUILTIN = (
-    f"use bridge_fgo's builtin engine: bridge_fgo.patch(offload='builtin'), {env_name('offload')}=builtin, "
-    "or bridge-fgo-run --offload builtin"
-)
+
+def patch_outcome(native_wiring: Sequence[str], problems: Sequence[object], bridge: str) -> Tuple[str, Optional[str]]:
+    """(outcome, reason) for Bridge's layout: stepped aside, not patched, or patched."""
+    if native_wiring:
+        return rpt.STEPPED_ASIDE, (f"megatron-bridge {bridge} already calls {', '.join(native_wiring)} in its "
+                                   "training loop; bridge_fgo steps aside so no offload call runs twice")
+    if problems:
+        return rpt.NOT_PATCHED, (f"megatron-bridge {bridge} has a training loop bridge_fgo does not recognise: "
+                                 f"{'; '.join(map(str, problems))}. bridge_fgo patches nothing. Fix: use a "
+                                 "megatron-bridge this bridge_fgo supports (see its README) or upgrade bridge_fgo")
+    return rpt.PATCHED, None
+
+
+def way(options: Options, generation: Optional[Generation]) -> Optional[Generation]:
+    """The generation whose adapter moves the states in this mode; None: offload=off, or auto on a
+    generation whose Megatron-Core has nothing to call (or no Megatron-Core)."""
+    if options.offload == "off":
+        return None
+    if options.offload == "builtin":
+        return adapters.BUILTIN
+    return generation if generation is not None and generation.has_offloader else None
+
+
+def double_offload(generation: Generation) -> str:
+    return (f"{generation.flag} is on and offload=builtin was chosen: two offloaders would move the same "
+            "states. Set the config flag to False, or use offload=auto")
 
 
 def inner_optimizers(optimizer) -> List[object]:
@@ -31,21 +57,12 @@ def distributed_optimizers(optimizers: List[object]) -> List[object]:
     return [o for o in optimizers if isinstance(o, DistributedOptimizer)]
 
 
-def flag_requested(cfg) -> bool:
-    """The config asks for offload. The chunked line's __post_init__ turns the deprecated
-    offload_optimizer_states into chunked_optimizer_state_offload and resets it to False."""
-    opt = getattr(cfg, "optimizer", None)
-    if getattr(opt, "chunked_optimizer_state_offload", False):
-        return getattr(opt, "optimizer_state_offload_fraction", 1.0) > 0.0
-    return bool(getattr(opt, "offload_optimizer_states", False))
-
-
-def _generation(optimizer, dist_opts) -> str:
-    for obj in [*dist_opts, optimizer]:
-        g = generations.of_object(obj)
-        if g != generations.NONE:
-            return g
-    return generations.installed() or generations.NONE
+def generation_of(optimizer, dist_opts) -> Generation:
+    """From the optimizers in hand; the installed Megatron-Core's when they show none."""
+    found = generations.of_objects([*dist_opts, optimizer])
+    if found.has_offloader:
+        return found
+    return generations.installed() or found
 
 
 def _not_acting(strict: bool, key, msg: str) -> None:
@@ -59,43 +76,18 @@ def resolve(cfg, optimizer, options: Options) -> Optional[Session]:
     if options.offload == "off":
         once(("off",), logging.INFO, "%soffload=off: bridge_fgo is patched but moves nothing", rank_prefix())
         return None
-    requested = flag_requested(cfg)
-    if options.offload == "auto" and not requested:
-        return None  # nothing asked for: stay quiet
     inner = inner_optimizers(optimizer)
     dist_opts = distributed_optimizers(inner)
-    gen = _generation(optimizer, dist_opts)
-    mcore = generations.megatron_core_version() or "unknown"
-
-    if options.offload == "builtin":
-        if gen == generations.CHUNKED and requested:
-            from .errors import BridgeFGOConfigError
-
-            raise BridgeFGOConfigError(
-                "cfg.optimizer.offload_optimizer_states (chunked_optimizer_state_offload) is on and "
-                "offload=builtin was chosen: two offloaders would move the same states. Set the config "
-                "flag to False, or use offload=auto"
-            )
-        config_checks.check(cfg, inner, dist_opts, who="bridge_fgo's builtin engine")
-        from .adapters.builtin import BuiltinAdapter
-
-        return Session(optimizer, BuiltinAdapter(dist_opts), mode="builtin")
-
-    # auto, with cfg.optimizer.offload_optimizer_states set
-    if gen == generations.THREE_METHOD:
-        config_checks.check(cfg, inner, dist_opts, who="Megatron-Core's optimizer-state offload")
-        from .adapters.three_method import ThreeMethodAdapter
-
-        return Session(optimizer, ThreeMethodAdapter(dist_opts), mode=generations.THREE_METHOD)
-    if gen == generations.CHUNKED:
-        config_checks.check(cfg, inner, dist_opts, who="Megatron-Core's chunked optimizer-state offload",
-                            generation=gen)
-        from .adapters.chunked import ChunkedAdapter
-
-        return Session(optimizer, ChunkedAdapter(optimizer, cfg), mode=generations.CHUNKED)
-    _not_acting(
-        options.strict, ("no-fgo",),
-        f"cfg.optimizer.offload_optimizer_states is set but megatron-core {mcore} has no optimizer-state "
-        "offload (no released megatron-core has it): nothing is offloaded. To offload, " + FIX_BUILTIN,
-    )
-    return None
+    generation = generation_of(optimizer, dist_opts)
+    requested = generation.requested(cfg)
+    if options.offload == "auto" and not requested:
+        return None  # nothing asked for: stay quiet
+    if options.offload == "builtin" and requested and generation.self_driven:
+        raise BridgeFGOConfigError(double_offload(generation))
+    chosen = way(options, generation)
+    if chosen is None:
+        _not_acting(options.strict, ("no-fgo",),
+                    generation.unavailable(generations.megatron_core_version() or "unknown"))
+        return None
+    config_checks.check(cfg, inner, dist_opts, who=chosen.who, extra=chosen.refusals(cfg))
+    return Session(optimizer, chosen.build(optimizer, cfg, dist_opts, options), mode=chosen.mode)

@@ -1,23 +1,20 @@
 """What bridge_fgo would do in this environment, and why: `bridge-fgo status` and `bridge-fgo-run --check`.
 
-Unlike status(), diagnose() imports Megatron-Bridge's train module (and with it torch and Megatron-Core):
-it answers before a run whether offload will happen, so it looks at the real objects the patch would
-wrap. It patches nothing itself; in a process that is patched (run under bridge-fgo-run) it reports
-what the patch really did.
+Unlike status(), diagnose() imports Megatron-Bridge's target modules (and with them torch and
+Megatron-Core): it answers before a run whether offload will happen, so it looks at the real objects
+the patch would wrap. It patches nothing itself and decides with the functions the patch itself
+uses (decide.py, targets.py, the generation registry); in a process that is patched (run under
+bridge-fgo-run) it reports what the patch really did (patcher.applied()).
 """
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import sys
 from typing import Dict, List, Optional, Tuple
 
-from . import generations, patcher, report as rpt, targets
-from .decide import FIX_BUILTIN
-from .options import Options, env_name, from_env
-
-PRETRAIN_ALIAS = f"{targets.PRETRAIN_MODULE}.{targets.TRAIN}"
-BUILTIN_ENGINE = "bridge_fgo.adapters.builtin"
+from . import decide, generations, patcher, report as rpt, targets
+from .adapters import Generation
+from .options import Options, env_name, flag_name, from_env
 
 
 def _import(name: str) -> Tuple[Optional[object], Optional[str]]:
@@ -27,146 +24,121 @@ def _import(name: str) -> Tuple[Optional[object], Optional[str]]:
         return None, f"{type(err).__name__}: {err}"
 
 
-def _builtin_engine() -> bool:
-    try:
-        return importlib.util.find_spec(BUILTIN_ENGINE) is not None
-    except (ImportError, ValueError):
-        return False
-
-
 def _target_notes(layout: targets.Layout) -> Dict[str, str]:
-    """Each target's own problems (inspect_layout words every problem starting with its target)."""
+    """Each target's own problems, by the target each problem names."""
     notes = {}
-    for name in (targets.TRAIN, targets.TRAIN_STEP, targets.COPY_HELPER):
-        own = [p for p in layout.problems
-               if p.startswith((f"{targets.TRAIN_MODULE}.{name} ", f"{name} ", f"{name}() "))]
-        if not layout.found[name]:
-            notes[name] = f"not in {targets.TRAIN_MODULE}"
+    for t in targets.TARGETS:
+        own = [str(p) for p in layout.problems if p.target == t.name]
+        if not layout.found[t.name]:
+            notes[t.name] = f"not in {t.module}"
         elif own:
-            notes[name] = "found, but " + "; ".join(own)
+            notes[t.name] = "found, but " + "; ".join(own)
     return notes
 
 
-def _pretrain_alias(train_module) -> Tuple[bool, str, bool]:
-    """(bound to train.train, note, blocks): pretrain() is how Bridge's recipes start training."""
-    module, err = _import(targets.PRETRAIN_MODULE)
+def _alias(alias: targets.Alias, modules) -> Tuple[bool, str, bool]:
+    """(bound to its target, note, blocks the patch)."""
+    target = targets.target(alias.target)
+    module, err = _import(alias.module)
     if module is None:
-        return False, f"{targets.PRETRAIN_MODULE} cannot be imported ({err})", False
-    bound = vars(module).get(targets.TRAIN)
+        return False, f"{alias.module} cannot be imported ({err})", False
+    bound = vars(module).get(alias.name)
     if bound is None:
-        return False, (f"{targets.PRETRAIN_MODULE} binds no `train`; pretrain() reaches the loop some other "
+        return False, (f"{alias.module} binds no `{alias.name}`; {alias.callers} reach the loop some other "
                        "way (nothing to patch there)"), False
-    if bound is vars(train_module).get(targets.TRAIN):
-        return True, f"the same function as {targets.TRAIN_MODULE}.train: patched with it", False
-    return False, (f"{PRETRAIN_ALIAS} is not {targets.TRAIN_MODULE}.train: runs started through pretrain() "
-                   "(Bridge's recipes) would bypass the patch"), True
+    if bound is vars(modules[target.module]).get(target.name):
+        return True, f"the same function as {target.qualname}: patched with it", False
+    return False, f"{alias.qualname} is not {target.qualname}: {alias.callers} would bypass the patch", True
 
 
-def _mcore_meaning(generation: Optional[str], mcore: Optional[str]) -> str:
+def _mcore_meaning(generation: Optional[Generation], mcore: Optional[str]) -> str:
     if generation is not None:
-        return generations.MEANING[generation]
+        return generation.meaning
     if mcore is None:
         return "megatron-core is not installed"
     return f"megatron-core {mcore} is installed but its optimizer module cannot be imported"
 
 
-def _mode_verdict(opts: Options, generation: Optional[str], mcore: str) -> Tuple[bool, str]:
+def _mode_verdict(opts: Options, generation: Optional[Generation], mcore: str) -> Tuple[bool, str]:
     """The verdict once the patch is known to apply: does this mode offload?"""
     if opts.offload == "off":
         return False, ("offload will not run: offload=off patches but never offloads (a baseline through the "
-                       "same code path). To offload, use --offload auto or builtin "
+                       f"same code path). To offload, use {flag_name('offload')} auto or builtin "
                        f"({env_name('offload')})")
-    if opts.offload == "builtin":
-        if not _builtin_engine():
-            return False, (f"offload will not run: offload=builtin, but this bridge_fgo has no builtin engine "
-                           f"({BUILTIN_ENGINE} is missing), so the first training step would fail. Use a "
-                           "bridge_fgo release that has it, or offload=auto with a Megatron-Core that offloads")
-        text = ("offload will run (mode builtin): bridge_fgo's builtin engine offloads the distributed "
-                "optimizer's states in every training run, no config flag needed (a configuration it cannot "
-                "serve, e.g. use_distributed_optimizer=False, is refused before the first step)")
-        if generation == generations.CHUNKED:
-            text += ("; keep cfg.optimizer.offload_optimizer_states False, or two offloaders would move the "
-                     "same states (refused)")
-        return True, text
-    # auto
-    if generation == generations.THREE_METHOD:
-        return True, ("offload will run (mode auto) through Megatron-Core's three-method offloader, in runs "
-                      "whose config sets cfg.optimizer.offload_optimizer_states=True; runs without the flag "
-                      "are left alone")
-    if generation == generations.CHUNKED:
-        return True, ("offload will run (mode auto) through Megatron-Core's chunked offloader, in runs whose "
-                      "config sets cfg.optimizer.chunked_optimizer_state_offload=True (or its deprecated alias "
-                      "offload_optimizer_states); runs without it are left alone")
-    if generation == generations.NONE:
-        return False, (f"offload will not run in mode auto: megatron-core {mcore} has no optimizer-state "
-                       "offload (no released megatron-core has it), so cfg.optimizer.offload_optimizer_states "
-                       "has nothing to call. To offload, " + FIX_BUILTIN)
-    return False, f"offload will not run: {_mcore_meaning(generation, mcore)}"
+    if generation is None and opts.offload == "auto":
+        return False, f"offload will not run: {_mcore_meaning(generation, mcore)}"
+    chosen = decide.way(opts, generation)
+    if chosen is None:
+        return False, generation.unavailable_verdict(mcore)
+    text = chosen.verdict()
+    if opts.offload == "builtin" and generation is not None and generation.self_driven:
+        text += f"; keep {generation.flag} False, or two offloaders would move the same states (refused)"
+    return True, text
 
 
 def diagnose(options: Optional[Options] = None) -> rpt.Report:
-    """The status report for this environment, with its verdict. Imports Megatron-Bridge's train
-    module; raises BridgeFGOOptionError for a bad BRIDGE_FGO_* value when `options` is not given."""
+    """The status report for this environment, with its verdict. Imports Megatron-Bridge's target
+    modules; raises BridgeFGOOptionError for a bad BRIDGE_FGO_* value when `options` is not given."""
     opts = options if options is not None else from_env()
     versions = generations.versions()
     bridge, mcore = versions.get("megatron-bridge"), versions.get("megatron-core")
     generation = generations.installed()
     report = rpt.Report(
-        patched=False, outcome=rpt.NOT_PATCHED, mode=opts.offload, strict=opts.strict, generation=generation,
-        versions=versions, predicted=True, offload_ready=False, executable=sys.executable,
-        generation_meaning=_mcore_meaning(generation, mcore),
+        patched=False, outcome=rpt.NOT_PATCHED, mode=opts.offload, strict=opts.strict, chunk_mb=opts.chunk_mb,
+        generation=generation.name if generation else None, versions=versions, predicted=True,
+        offload_ready=False, executable=sys.executable, generation_meaning=_mcore_meaning(generation, mcore),
     )
-    problems: List[str] = []
-    module, import_error = _import(targets.TRAIN_MODULE)
-    if module is None:
+    modules = {}
+    for name in targets.MODULES:
+        modules[name], import_error = _import(name)
+        if modules[name] is not None:
+            continue
         if bridge is None:
             report.reason = "megatron-bridge is not installed"
             report.verdict = (f"offload will not run: megatron-bridge is not installed in this Python "
                               f"({sys.executable}), so there is no training loop to patch. Install "
                               "megatron-bridge here, or run bridge-fgo with the Python that trains")
         else:
-            report.reason = f"{targets.TRAIN_MODULE} cannot be imported ({import_error})"
-            report.verdict = (f"offload will not run: megatron-bridge {bridge} is installed but "
-                              f"{targets.TRAIN_MODULE} cannot be imported ({import_error}), so nothing can be "
-                              "patched. Fix that import first: python -c 'import megatron.bridge.training.train'")
+            report.reason = f"{name} cannot be imported ({import_error})"
+            report.verdict = (f"offload will not run: megatron-bridge {bridge} is installed but {name} cannot "
+                              f"be imported ({import_error}), so nothing can be patched. Fix that import "
+                              f"first: python -c 'import {name}'")
         report.problems = [report.reason]
         return report
 
-    layout = targets.inspect_layout(module)
-    problems += layout.problems
-    found = dict(layout.found)
-    notes = _target_notes(layout)
-    alias_ok, alias_note, alias_blocks = _pretrain_alias(module)
-    found[PRETRAIN_ALIAS] = alias_ok
-    notes[PRETRAIN_ALIAS] = alias_note
-    if alias_blocks:
-        problems.append(alias_note)
-    report.targets, report.target_notes, report.problems = found, notes, problems
+    layout = targets.inspect_layout(modules)
+    problems: List[targets.Problem] = list(layout.problems)
+    found, notes = dict(layout.found), _target_notes(layout)
+    bound_aliases = []
+    for alias in targets.ALIASES:
+        ok, note, blocks = _alias(alias, modules)
+        found[alias.qualname], notes[alias.qualname] = ok, note
+        if ok:
+            bound_aliases.append(alias.qualname)
+        if blocks:
+            problems.append(targets.Problem(note, alias.qualname))
+    report.targets, report.target_notes = found, notes
+    report.problems = [str(p) for p in problems]
     report.native_wiring = list(layout.native_wiring)
 
-    # The process's own patch, when there is one (bridge-fgo status run under bridge-fgo-run).
-    p = patcher._current
-    live = p is not None and p.active and p.module is not None
-    if live:
-        now = patcher.status()
-        report.predicted = False
-        report.patched, report.outcome, report.reason = now.patched, now.outcome, now.reason
-        report.aliases, report.sessions = now.aliases, now.sessions
-    elif alias_ok:
-        report.aliases = [PRETRAIN_ALIAS]
-
     bridge_v = bridge or "unknown"
+    live = patcher.applied()  # bridge-fgo status run inside a patched process: what really happened
+    if live is not None:
+        report.predicted = False
+        report.patched, report.outcome, report.reason = live.patched, live.outcome, live.reason
+        report.aliases, report.sessions = live.aliases, live.sessions
+    else:
+        report.aliases = bound_aliases
+        report.outcome, report.reason = decide.patch_outcome(layout.native_wiring, problems, bridge_v)
+
     if opts.disable:
-        if not live:
+        if live is None:
             report.outcome, report.reason = rpt.NOT_PATCHED, "disabled"
-        report.verdict = (f"offload will not run: bridge_fgo is disabled ({env_name('disable')} or --disable), "
-                          f"nothing is patched. To offload, unset {env_name('disable')} / drop --disable")
+        report.verdict = (f"offload will not run: bridge_fgo is disabled ({env_name('disable')} or "
+                          f"{flag_name('disable')}), nothing is patched. To offload, unset {env_name('disable')} "
+                          f"/ drop {flag_name('disable')}")
         return report
     if layout.native_wiring:
-        if not live:
-            report.outcome = rpt.STEPPED_ASIDE
-            report.reason = (f"megatron-bridge {bridge_v} already calls {', '.join(layout.native_wiring)} in its "
-                             "training loop; bridge_fgo steps aside")
         if opts.offload == "auto":
             report.offload_ready = True
             report.verdict = ("offload will run through megatron-bridge's own wiring when "
@@ -178,16 +150,10 @@ def diagnose(options: Optional[Options] = None) -> rpt.Report:
                               "cfg.optimizer.offload_optimizer_states=True")
         return report
     if problems:
-        if not live:
-            report.outcome = rpt.NOT_PATCHED
-            report.reason = (f"megatron-bridge {bridge_v} has a training loop bridge_fgo does not recognise: "
-                             f"{'; '.join(problems)}")
-        report.verdict = (f"offload will not run: nothing would be patched, because {'; '.join(problems)}. "
-                          "Fix: use a megatron-bridge this bridge_fgo supports (see its README) or upgrade "
-                          "bridge_fgo")
+        report.verdict = (f"offload will not run: nothing would be patched, because "
+                          f"{'; '.join(map(str, problems))}. Fix: use a megatron-bridge this bridge_fgo supports "
+                          "(see its README) or upgrade bridge_fgo")
         return report
-    if not live:
-        report.outcome, report.reason = rpt.PATCHED, None
     report.offload_ready, report.verdict = _mode_verdict(opts, generation, mcore or "unknown")
     return report
 

@@ -1,10 +1,5 @@
-"""Which Megatron-Core offload generation is installed, decided from the objects themselves.
-
-- none: no optimizer-state offload (every PyPI release up to 0.19.x, and main).
-- three-method: the dev line of 2026-01..2026-08: DistributedOptimizer.offload_states(),
-  .release_offloaded_gpu_states(), .reload_offloaded_states().
-- chunked: dev since 2026-08-18 (Megatron-LM 9050d4c5fb): MegatronOptimizer.offload_optimizer_state_for_forward()
-  and friends; offload_optimizer_states is a deprecated alias of chunked_optimizer_state_offload.
+"""Which Megatron-Core offload generation is installed (the generations themselves are declared in
+bridge_fgo/adapters/), and the versions of the packages that matter.
 """
 from __future__ import annotations
 
@@ -12,48 +7,25 @@ import importlib.metadata
 import sys
 from typing import Dict, Optional
 
-NONE = "none"
-THREE_METHOD = "three-method"
-CHUNKED = "chunked"
-
-THREE_METHODS = ("offload_states", "release_offloaded_gpu_states", "reload_offloaded_states")
-CHUNKED_METHODS = (
-    "offload_optimizer_state_for_forward",
-    "prefetch_optimizer_state_for_gradient_finalization",
-)
-
-MEANING = {
-    NONE: "this Megatron-Core has no optimizer-state offload; bridge_fgo's builtin engine can provide it",
-    THREE_METHOD: "Megatron-Core's three-method offloader: bridge_fgo wires it when the config flag is set",
-    CHUNKED: "Megatron-Core's chunked offload API: bridge_fgo wires it when the config flag is set",
-}
+from .adapters import Generation, of_classes
 
 
-def of_class(dist_opt_cls, base_cls=None) -> str:
-    """Generation from DistributedOptimizer (and MegatronOptimizer, where the chunked API lives)."""
-    for cls in (base_cls, dist_opt_cls):
-        if cls is not None and all(hasattr(cls, m) for m in CHUNKED_METHODS):
-            return CHUNKED
-    if all(hasattr(dist_opt_cls, m) for m in THREE_METHODS):
-        return THREE_METHOD
-    return NONE
+def of_objects(objects) -> Generation:
+    """The generation of the optimizers in hand (the chain's children first, then the chain)."""
+    return of_classes(type(o) for o in objects)
 
 
-def of_object(optimizer) -> str:
-    return of_class(type(optimizer))
-
-
-def installed() -> Optional[str]:
+def installed() -> Optional[Generation]:
     """Generation of the installed Megatron-Core, importing its optimizer module; None if absent."""
     try:
         from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
         from megatron.core.optimizer.optimizer import MegatronOptimizer
     except Exception:
         return None
-    return of_class(DistributedOptimizer, MegatronOptimizer)
+    return of_classes((MegatronOptimizer, DistributedOptimizer))
 
 
-def installed_if_loaded() -> Optional[str]:
+def installed_if_loaded() -> Optional[Generation]:
     """Like installed(), without importing anything: None until Megatron-Core's optimizer is loaded."""
     if "megatron.core.optimizer.distrib_optimizer" not in sys.modules:
         return None

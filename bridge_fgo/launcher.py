@@ -14,7 +14,8 @@ import os
 import sys
 from typing import List, Mapping, Optional, Sequence
 
-from . import options as options_mod
+from . import __version__, options as options_mod
+from .cli import add_option_flags, add_verbose, options_from
 from .errors import BridgeFGOOptionError
 
 PROG = "bridge-fgo-run"
@@ -29,8 +30,8 @@ examples:
 Everything from COMMAND on is passed through untouched, options included.
 
 environment (each option sets one, so every rank reads the same value):
-  {options_mod.env_name('offload')}={{{','.join(options_mod.OFFLOAD_MODES)}}}   {options_mod.env_name('strict')}=1   \
-{options_mod.env_name('disable')}=1
+  {'   '.join(f"{o.env}={'1' if o.is_flag else ('{' + ','.join(o.choices) + '}') if o.choices else o.metavar}"
+             for o in options_mod.OPTIONS)}
   PYTHONPATH gets bridge_fgo's bootstrap directory first (once).
 
 not reached: python -E and -I ignore PYTHONPATH, python -S skips sitecustomize; a process started
@@ -66,13 +67,12 @@ def python_path(existing: Optional[str], directory: Optional[str] = None) -> str
 
 
 def child_env(args: argparse.Namespace, base: Mapping[str, str]) -> dict:
+    """`base` with each option given on the command line exported as its BRIDGE_FGO_* variable."""
     env = dict(base)
-    if args.offload is not None:
-        env[options_mod.env_name("offload")] = args.offload
-    if args.strict:
-        env[options_mod.env_name("strict")] = "1"
-    if args.disable:
-        env[options_mod.env_name("disable")] = "1"
+    for opt in options_mod.OPTIONS:
+        value = getattr(args, opt.name)
+        if value is not None:
+            env[opt.env] = opt.to_env(value)
     env["PYTHONPATH"] = python_path(env.get("PYTHONPATH"))
     return env
 
@@ -118,17 +118,13 @@ def parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,
     )
-    p.add_argument("--offload", choices=options_mod.OFFLOAD_MODES,
-                   help="auto (default): Megatron-Core's own offloader when cfg.optimizer.offload_optimizer_states "
-                        "is set; builtin: bridge_fgo's engine on every run; off: patch, never offload")
-    p.add_argument("--strict", action="store_true",
-                   help="an unrecognised layout, or offload requested but impossible, stops the run with an error "
-                        "instead of a warning")
-    p.add_argument("--disable", action="store_true", help="patch nothing (escape hatch); the command still runs")
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    add_option_flags(p)
     p.add_argument("--check", action="store_true",
                    help="print the status report for this environment and exit (0: offload will run, 1: it will "
                         "not); COMMAND, if given, is not run")
     p.add_argument("--json", action="store_true", help="with --check: the report as JSON")
+    add_verbose(p, "with --check: ")
     p.add_argument("--print-env", action="store_true",
                    help="print the variables the command would get (PYTHONPATH, BRIDGE_FGO_*) as shell exports "
                         "and exit: for launchers that cannot take a wrapper")
@@ -147,15 +143,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]
-    if args.json and not args.check:
-        p.error("--json goes with --check")
+    for flag in ("json", "verbose"):
+        if getattr(args, flag) and not args.check:
+            p.error(f"--{flag} goes with --check")
     if not command and not (args.check or args.print_env):
         p.error("COMMAND is required (or --check)")
 
     env = child_env(args, os.environ)
     # Every rank would fail on a bad value; say it once, here, before anything runs.
     try:
-        opts = options_mod.from_env(env)
+        opts = options_from(args, env)
     except BridgeFGOOptionError as err:
         _error(str(err))
         return 2
@@ -168,7 +165,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         if command:
             sys.stderr.write(f"{PROG}: --check: {command[0]} is not run\n")
-        return print_status(opts, as_json=args.json)
+        return print_status(opts, as_json=args.json, verbose=args.verbose, prog=f"{PROG} --check")
     if args.print_env:
         import shlex
 

@@ -1,4 +1,5 @@
-"""bridge_fgo's options and their BRIDGE_FGO_* environment variables.
+"""bridge_fgo's options, defined once: each one's default, its values, its BRIDGE_FGO_* variable,
+its command-line flag and its parsing all come from OPTIONS below.
 
 The launcher turns each command-line option into its environment variable, so every rank that
 torchrun or srun starts reads the same values here.
@@ -7,78 +8,148 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import List, Mapping, Optional, Tuple
+import re
+from typing import Any, Callable, List, Mapping, Optional, Tuple
 
+from .envflags import ENV_PREFIX, FALSE, TRUE, env_name
 from .errors import BridgeFGOOptionError
-
-ENV_PREFIX = "BRIDGE_FGO_"
 
 # auto: use Megatron-Core's own offloader when cfg.optimizer.offload_optimizer_states is set.
 # builtin: bridge_fgo's own engine, on every run (no config flag needed).
 # off: patch, but never offload (a baseline through the same code path).
 OFFLOAD_MODES = ("auto", "builtin", "off")
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off", "")
+# The builtin engine's window: how many MB of states it moves at a time (0 = all in one window).
+DEFAULT_CHUNK_MB = 256
+
+__all__ = ["ENV_PREFIX", "OFFLOAD_MODES", "DEFAULT_CHUNK_MB", "Option", "OPTIONS", "Options", "env_name",
+           "flag_name", "from_env", "known_env", "unknown_env", "how_to_set", "option"]
 
 
-def env_name(option: str) -> str:
-    """`offload` -> `BRIDGE_FGO_OFFLOAD`."""
-    return ENV_PREFIX + option.upper().replace("-", "_")
+def flag_name(name: str) -> str:
+    """`chunk_mb` -> `--chunk-mb`."""
+    return "--" + name.replace("_", "-")
 
 
-@dataclasses.dataclass(frozen=True)
-class Options:
-    offload: str = "auto"
-    strict: bool = False
-    disable: bool = False
-
-    def __post_init__(self):
-        check_offload(self.offload, source="offload")
-
-
-def check_offload(value, source: str) -> str:
-    if value not in OFFLOAD_MODES:
-        raise BridgeFGOOptionError(
-            f"{source}={value!r} is not an offload mode; allowed: {', '.join(OFFLOAD_MODES)}"
-        )
+def _choice(opt: "Option", value, source: str):
+    if value not in opt.choices:
+        raise BridgeFGOOptionError(f"{source}={value!r} is not {opt.what}; allowed: {', '.join(opt.choices)}")
     return value
 
 
-def _env_bool(env: Mapping[str, str], option: str) -> Optional[bool]:
-    name = env_name(option)
-    raw = env.get(name)
-    if raw is None:
-        return None
+def _choice_text(opt: "Option", raw: str, source: str):
+    return _choice(opt, raw.strip().lower(), source)
+
+
+def _bool_text(opt: "Option", raw: str, source: str) -> bool:
     value = raw.strip().lower()
-    if value in _TRUE:
+    if value in TRUE:
         return True
-    if value in _FALSE:
+    if value in FALSE:
         return False
     raise BridgeFGOOptionError(
-        f"{name}={raw!r} is not a boolean; allowed: {', '.join(_TRUE)} or {', '.join(v or repr(v) for v in _FALSE)}"
+        f"{source}={raw!r} is not {opt.what}; allowed: {', '.join(TRUE)} or {', '.join(v or repr(v) for v in FALSE)}"
     )
 
 
-def from_env(env: Optional[Mapping[str, str]] = None, **overrides) -> Options:
+def _count(opt: "Option", value, source: str) -> int:
+    # bool is an int to Python, and 1.0 would be silently truncated: only a true int is a size
+    if type(value) is not int or value < 0:
+        raise BridgeFGOOptionError(f"{source}={value!r} is not {opt.what}; allowed: an integer >= 0 "
+                                   "(0 = one window)")
+    return value
+
+
+def _count_text(opt: "Option", raw: str, source: str) -> int:
+    text = raw.strip()
+    value = int(text) if re.fullmatch(r"[+-]?[0-9]+", text) else raw
+    return _count(opt, value, source)
+
+
+def _as_is(opt: "Option", value, source: str):
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    name: str  # patch()'s keyword and the Options field; the flag and the variable derive from it
+    default: Any
+    help: str  # for the command-line flag
+    what: str  # "an offload mode": the value's kind, in error messages
+    check: Callable  # (option, value from Python, source) -> value, or BridgeFGOOptionError
+    parse: Callable  # (option, value from the environment or the command line, source) -> value
+    choices: Tuple[str, ...] = ()
+    metavar: Optional[str] = None
+    is_flag: bool = False  # a command-line switch without a value; its variable is set to 1
+    in_status: bool = True  # `bridge-fgo status` takes it to judge with
+
+    @property
+    def env(self) -> str:
+        return env_name(self.name)
+
+    @property
+    def flag(self) -> str:
+        return flag_name(self.name)
+
+    def to_env(self, value) -> str:
+        return "1" if self.is_flag else str(value)
+
+
+OPTIONS: Tuple[Option, ...] = (
+    Option("offload", "auto", what="an offload mode", check=_choice, parse=_choice_text, choices=OFFLOAD_MODES,
+           help="auto: Megatron-Core's own offloader when cfg.optimizer.offload_optimizer_states is "
+                "set; builtin: bridge_fgo's engine on every run; off: patch, never offload"),
+    Option("strict", False, what="a boolean", check=_as_is, parse=_bool_text, is_flag=True,
+           help="an unrecognised layout, or offload requested but impossible, stops the run with an error "
+                "instead of a warning"),
+    Option("disable", False, what="a boolean", check=_as_is, parse=_bool_text, is_flag=True, in_status=False,
+           help="patch nothing (escape hatch); the command still runs"),
+    Option("chunk_mb", DEFAULT_CHUNK_MB, what="a window size in MB", check=_count, parse=_count_text, metavar="N",
+           help="the builtin engine's window: MB of optimizer states moved at a time (0 = one window)"),
+)
+_BY_NAME = {o.name: o for o in OPTIONS}
+
+
+def option(name: str) -> Option:
+    return _BY_NAME[name]
+
+
+def _validate(self) -> None:
+    for opt in OPTIONS:
+        opt.check(opt, getattr(self, opt.name), opt.name)
+
+
+Options = dataclasses.make_dataclass(
+    "Options", [(o.name, Any, dataclasses.field(default=o.default)) for o in OPTIONS],
+    frozen=True, namespace={"__post_init__": _validate, "__module__": __name__,
+                            "__doc__": "One value per option in OPTIONS; invalid values raise BridgeFGOOptionError."},
+)
+
+
+def from_env(env: Optional[Mapping[str, str]] = None, **overrides) -> "Options":
     """Options from BRIDGE_FGO_* variables; explicit keyword values (not None) win."""
     env = os.environ if env is None else env
     values = {}
-    raw_offload = env.get(env_name("offload"))
-    if raw_offload is not None:
-        values["offload"] = check_offload(raw_offload.strip().lower(), source=env_name("offload"))
-    for flag in ("strict", "disable"):
-        parsed = _env_bool(env, flag)
-        if parsed is not None:
-            values[flag] = parsed
+    for opt in OPTIONS:
+        raw = env.get(opt.env)
+        if raw is not None:
+            values[opt.name] = opt.parse(opt, raw, opt.env)
     for key, value in overrides.items():
         if value is not None:
             values[key] = value
     return Options(**values)
 
 
+def how_to_set(name: str, value) -> str:
+    """The three ways to set an option, for messages that name the fix."""
+    opt = option(name)
+    shown = "1" if opt.is_flag else value
+    flag = opt.flag if opt.is_flag else f"{opt.flag} {value}"
+    return f"bridge_fgo.patch({name}={value!r}), {opt.env}={shown}, or bridge-fgo-run {flag}"
+
+
 def known_env() -> Tuple[str, ...]:
     """Every BRIDGE_FGO_* variable an option reads."""
-    return tuple(env_name(f.name) for f in dataclasses.fields(Options))
+    return tuple(o.env for o in OPTIONS)
 
 
 def unknown_env(env: Optional[Mapping[str, str]] = None) -> List[str]:

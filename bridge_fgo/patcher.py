@@ -9,7 +9,7 @@ from typing import Dict, List, Optional, Tuple
 
 import wrapt
 
-from . import generations, log, options as options_mod, report as rpt, targets
+from . import decide, generations, log, options as options_mod, report as rpt, targets
 from .errors import BridgeFGOError
 from .log import logger
 
@@ -25,9 +25,9 @@ class _Patch:
         self.outcome = rpt.PENDING
         self.reason: Optional[str] = None
         self.layout: Optional[targets.Layout] = None
-        self.module = None
+        self.modules: Optional[Dict[str, object]] = None  # Bridge's target modules, once all are loaded
         self.callsites = None
-        self.wrappers: Dict[str, Tuple[object, _Target]] = {}
+        self.wrappers: Dict[str, Tuple[object, _Target]] = {}  # target name -> (original, wrapper)
         self.aliases: List[str] = []
 
 
@@ -40,29 +40,28 @@ def _bridge_version() -> str:
     return generations.version("megatron-bridge") or "unknown"
 
 
-def _on_train_module(module) -> None:
-    """wrapt post-import hook for megatron.bridge.training.train (runs at once if already imported)."""
+def _on_target_module(_module) -> None:
+    """wrapt post-import hook for each module in targets.MODULES (runs at once if already imported).
+    The patch applies when the last of them has been imported: all targets or none."""
     with _lock:
         p = _current
-        if p is None or not p.active or p.module is not None:
+        if p is None or not p.active or p.modules is not None:
             return
-        _apply(p, module)
+        modules = {name: sys.modules.get(name) for name in targets.MODULES}
+        if all(m is not None for m in modules.values()):
+            _apply(p, modules)
 
 
-def _apply(p: _Patch, module) -> None:
-    p.module = module
-    p.layout = layout = targets.inspect_layout(module)
-    if layout.native_wiring:
-        p.outcome = rpt.STEPPED_ASIDE
-        p.reason = (f"megatron-bridge {_bridge_version()} already calls {', '.join(layout.native_wiring)} in its "
-                    "training loop; bridge_fgo steps aside so no offload call runs twice")
+def _apply(p: _Patch, modules) -> None:
+    p.modules = modules
+    p.layout = layout = targets.inspect_layout(modules)
+    outcome, reason = decide.patch_outcome(layout.native_wiring, layout.problems, _bridge_version())
+    if outcome == rpt.STEPPED_ASIDE:
+        p.outcome, p.reason = outcome, reason
         log.once(("aside",), logging.INFO, "%s", p.reason)
         return
-    if not layout.recognised:
-        p.outcome = rpt.NOT_PATCHED
-        p.reason = (f"megatron-bridge {_bridge_version()} has a training loop bridge_fgo does not recognise: "
-                    f"{'; '.join(layout.problems)}. Nothing was patched. Fix: use a megatron-bridge this "
-                    "bridge_fgo supports (see its README) or upgrade bridge_fgo")
+    if outcome == rpt.NOT_PATCHED:
+        p.outcome, p.reason = outcome, reason
         if p.options.strict:
             raise BridgeFGOError(p.reason)
         log.once(("layout",), logging.WARNING, "%s", p.reason)
@@ -70,42 +69,52 @@ def _apply(p: _Patch, module) -> None:
     from .callsites import CallSites
 
     cs = CallSites(p.options, layout)
-    sites = {targets.TRAIN: cs.train, targets.TRAIN_STEP: cs.train_step, targets.COPY_HELPER: cs.copy_helper}
     # Build every wrapper first, then bind them all: all targets or none.
     built = {}
-    for name, site in sites.items():
-        original = getattr(module, name)
+    for t in targets.TARGETS:
+        module = modules[t.module]
+        original = getattr(module, t.name)
         if isinstance(original, _Target):  # a stale wrapper from an earlier patch: wrap what it wraps
             original = original.__wrapped__
-        built[name] = (original, _Target(original, site))
-    aliases = [(mod, key, name) for name, (orig, _) in built.items()
+        built[t.name] = (module, original, _Target(original, cs.site(t)))
+    aliases = [(mod, key, name) for name, (module, orig, _) in built.items()
                for mod, key in targets.holders(orig) if mod is not module]
-    for name, (_, wrapper) in built.items():
+    for name, (module, _, wrapper) in built.items():
         setattr(module, name, wrapper)
     for mod, key, name in aliases:
-        setattr(mod, key, built[name][1])
-    p.callsites, p.wrappers = cs, built
+        setattr(mod, key, built[name][2])
+    p.callsites = cs
+    p.wrappers = {name: (orig, wrapper) for name, (_, orig, wrapper) in built.items()}
     p.aliases = sorted(f"{mod.__name__}.{key}" for mod, key, _ in aliases)
-    p.outcome = rpt.PATCHED
+    p.outcome = outcome
     log.once(("patched",), logging.INFO,
              "%spatched megatron-bridge %s (%s%s); offload mode=%s; megatron-core %s offload: %s",
              log.rank_prefix(), _bridge_version(), ", ".join(built), f"; aliases {', '.join(p.aliases)}" if p.aliases else "",
-             p.options.offload, generations.megatron_core_version() or "unknown",
-             generations.installed_if_loaded() or "unknown")
+             p.options.offload, generations.megatron_core_version() or "unknown", _generation_name() or "unknown")
+
+
+def _generation_name() -> Optional[str]:
+    g = generations.installed_if_loaded()
+    return g.name if g is not None else None
 
 
 def _describe(opts: options_mod.Options) -> str:
-    return f"offload={opts.offload!r}, strict={opts.strict}"
+    return ", ".join(f"{o.name}={getattr(opts, o.name)!r}" for o in options_mod.OPTIONS if o.name != "disable")
 
 
-def patch(*, strict: Optional[bool] = None, offload: Optional[str] = None) -> rpt.Report:
+def patch(*, strict: Optional[bool] = None, offload: Optional[str] = None,
+          chunk_mb: Optional[int] = None) -> rpt.Report:
     """Wire optimizer-state offload into Megatron-Bridge's training loop, now or when it is imported.
 
     strict: raise BridgeFGOError where bridge_fgo would otherwise warn and not act.
-    offload: 'auto' (default), 'builtin' or 'off'. Unset arguments come from BRIDGE_FGO_* variables.
+    offload: 'auto' (default), 'builtin' or 'off'.
+    chunk_mb: the builtin engine's window in MB, an int >= 0 (0 = one window; default
+    options.DEFAULT_CHUNK_MB).
+    Unset arguments come from BRIDGE_FGO_* variables (options.OPTIONS); a bad value raises
+    BridgeFGOOptionError (a ValueError).
     """
     global _current, _hook_registered
-    opts = options_mod.from_env(strict=strict, offload=offload)
+    opts = options_mod.from_env(strict=strict, offload=offload, chunk_mb=chunk_mb)
     with _lock:
         if _current is not None and _current.active:
             if opts != _current.options:  # e.g. a script's own patch(offload=...) under bridge-fgo-run
@@ -122,10 +131,11 @@ def patch(*, strict: Optional[bool] = None, offload: Optional[str] = None) -> rp
             return status()
         try:
             if not _hook_registered:
-                wrapt.register_post_import_hook(_on_train_module, targets.TRAIN_MODULE)
+                for name in targets.MODULES:
+                    wrapt.register_post_import_hook(_on_target_module, name)
                 _hook_registered = True
-            elif targets.TRAIN_MODULE in sys.modules:  # the hook fired long ago: apply now
-                _on_train_module(sys.modules[targets.TRAIN_MODULE])
+            else:  # the hooks fired long ago: apply now if every module is there
+                _on_target_module(None)
         except BaseException:
             _current.active = False
             raise
@@ -159,25 +169,37 @@ def is_patched() -> bool:
     return bool(p is not None and p.active and p.outcome == rpt.PATCHED)
 
 
-def status(*, options=None, outcome=None, reason=None) -> rpt.Report:
+def applied() -> Optional[rpt.Report]:
+    """This process's live patch once it has looked at Bridge (patched, stepped aside or refused its
+    layout), as status() reports it; None when patch() was not called, is disabled, undone, or still
+    waiting for Bridge to be imported. `bridge-fgo status` reads it instead of predicting."""
+    p = _current
+    if p is None or not p.active or p.modules is None:
+        return None
+    return status()
+
+
+def status() -> rpt.Report:
     """The report at any time: what was patched, the mode, and why not if not."""
     p = _current
-    if options is None and p is None:
+    reason = p.reason if p is not None else "patch() was not called"
+    if p is not None:
+        opts = p.options
+    else:
         try:
-            options = options_mod.from_env()
+            opts = options_mod.from_env()
         except BridgeFGOError as err:  # status() reports, it never raises
-            options, reason = options_mod.Options(), reason or f"patch() was not called; {err}"
-    opts = options or p.options
+            opts, reason = options_mod.Options(), f"patch() was not called; {err}"
     layout = p.layout if p is not None else None
-    outcome = outcome or (p.outcome if p is not None else rpt.NOT_PATCHED)
-    reason = reason if reason is not None else (p.reason if p is not None else "patch() was not called")
+    outcome = p.outcome if p is not None else rpt.NOT_PATCHED
     sessions = [s.snapshot() for s in p.callsites.registry.sessions()] if p is not None and p.callsites else []
     return rpt.Report(
         patched=bool(p is not None and p.active and outcome == rpt.PATCHED),
         outcome=outcome,
         mode=opts.offload,
         strict=opts.strict,
-        generation=generations.installed_if_loaded(),
+        chunk_mb=opts.chunk_mb,
+        generation=_generation_name(),
         versions=generations.versions(),
         targets=dict(layout.found) if layout else {},
         aliases=list(p.aliases) if p is not None else [],

@@ -23,6 +23,7 @@ class Report:
     strict: bool
     generation: Optional[str]
     versions: Dict[str, Optional[str]]
+    chunk_mb: Optional[int] = None  # the builtin engine's window (options.DEFAULT_CHUNK_MB unless set)
     targets: Dict[str, bool] = dataclasses.field(default_factory=dict)
     aliases: List[str] = dataclasses.field(default_factory=list)
     native_wiring: List[str] = dataclasses.field(default_factory=list)
@@ -50,6 +51,8 @@ class Report:
         outcome = f"{self.outcome} (what patch() would do here)" if self.predicted else self.outcome
         rows = [("patched", patched), ("outcome", outcome), ("offload mode", self.mode),
                 ("strict", "yes" if self.strict else "no")]
+        if self.chunk_mb is not None:
+            rows.append(("builtin engine window", f"{self.chunk_mb} MB" if self.chunk_mb else "0 (one window)"))
         if self.executable:
             rows.append(("python executable", self.executable))
         rows += [(name, v or "not installed") for name, v in self.versions.items()]

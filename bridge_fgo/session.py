@@ -10,39 +10,10 @@ import threading
 import weakref
 from typing import Dict, List, Optional, Tuple
 
+from .adapters.base import Adapter
 from .log import logger, rank_prefix
 
 RESIDENT, OFFLOADED, RELEASED, RELOADING = "resident", "offloaded", "released", "reloading"
-
-
-class Adapter:
-    """How one Megatron-Core generation (or the builtin engine) moves states. Subclasses override."""
-
-    name = "adapter"
-
-    def prepare(self) -> None:
-        """Before the first step (e.g. allocate host buffers)."""
-
-    def offload(self) -> Optional[int]:
-        """Start copying states to the host; bytes moved if known."""
-        raise NotImplementedError
-
-    def release(self) -> None:
-        """Free the GPU storage of offloaded states (after the device-to-host copy is ordered)."""
-        raise NotImplementedError
-
-    def reload(self) -> Optional[int]:
-        """Start bringing states back (from released, or offloaded-but-not-released)."""
-        raise NotImplementedError
-
-    def wait_reload(self) -> None:
-        """Make the current stream wait for the reload, so anything after reads whole states."""
-
-    def describe(self) -> Dict[str, object]:
-        return {}
-
-    def close(self) -> None:
-        """Drop host resources; states are resident when this is called."""
 
 
 class Session:
@@ -127,7 +98,7 @@ class Session:
             d.get("bytes", self.bytes_offloaded if self.bytes_known else "?"),
         )
 
-    def summary(self, requested: bool, strict: bool) -> None:
+    def summary(self, strict: bool) -> None:
         c = self.counts
         logger.info(
             "%soffload summary: mode=%s, steps=%d, offload=%d release=%d reload=%d calls, "
@@ -136,7 +107,8 @@ class Session:
             self.bytes_offloaded if self.bytes_known else "unknown",
             self.bytes_reloaded if self.bytes_known else "unknown",
         )
-        if requested and self.steps and c["offload"] == 0:
+        # a Session exists only where offload was asked for (a flag, or offload=builtin)
+        if self.steps and c["offload"] == 0:
             msg = (f"{rank_prefix()}offload was requested (mode={self.mode}) but no offload happened in "
                    f"{self.steps} training step(s)")
             if strict:

@@ -1,6 +1,7 @@
-"""Finding what the patch wraps in Megatron-Bridge, and recognising Bridge's layout.
+"""What the patch wraps in Megatron-Bridge, declared once (TARGETS), and recognising Bridge's layout.
 
-Nothing here imports torch or Megatron: callers hand in modules that are already imported.
+Patching (patcher.py), the layout check (inspect_layout), `bridge-fgo status` and the tests all
+read TARGETS. Nothing here imports torch or Megatron: callers hand in modules already imported.
 """
 from __future__ import annotations
 
@@ -8,28 +9,77 @@ import dataclasses
 import inspect
 import sys
 import types
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, List, Mapping, Optional, Tuple
+
+from .adapters import native_wiring_names
+
+# Roles: which call site wraps a target (callsites.CallSites.site). A new role is a new method there.
+LOOP = "loop"  # the training loop: decides per optimizer, states resident at its end, summary
+STEP = "step"  # one training step: decides, makes the Session current while it runs
+RELEASE_SITE = "release-site"  # offload before it, release after it
+# Where Bridge (or a fork) would call offload methods if it wired offload itself.
+WIRING_ROLES = (LOOP, STEP)
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    name: str  # the function's name in `module`; unique in TARGETS (status and problems key on it)
+    module: str
+    role: str
+    purpose: str
+    params: Tuple[str, ...] = ()  # parameters it must take (the wrappers read them by name)
+    calls: Tuple[str, ...] = ()  # names its code must refer to: how the loop reaches the next site
+
+    @property
+    def qualname(self) -> str:
+        return f"{self.module}.{self.name}"
+
 
 TRAIN_MODULE = "megatron.bridge.training.train"
-PRETRAIN_MODULE = "megatron.bridge.training.pretrain"
-TRAIN = "train"
-TRAIN_STEP = "train_step"
-COPY_HELPER = "_handle_mxfp8_param_buffer_copy"
-
-# The arguments the wrappers read, by name (positions drift between Bridge versions).
-NEEDED_PARAMS = {TRAIN: ("model", "optimizer", "global_state"), TRAIN_STEP: ("model", "optimizer", "global_state")}
-
-# Names whose presence in Bridge's loop means Bridge (or a fork) already wires offload itself.
-NATIVE_WIRING_NAMES = frozenset(
-    {
-        "offload_states",
-        "release_offloaded_gpu_states",
-        "reload_offloaded_states",
-        "offload_optimizer_state_for_forward",
-        "prefetch_optimizer_state_for_gradient_finalization",
-        "synchronize_optimizer_state_for_checkpoint",
-    }
+TARGETS: Tuple[Target, ...] = (
+    Target("train", TRAIN_MODULE, LOOP, "the training loop: states resident when it ends, the run's summary",
+           params=("model", "optimizer", "global_state"), calls=("train_step",)),
+    Target("train_step", TRAIN_MODULE, STEP, "one step: offload decided per optimizer, finalize wrapper installed",
+           params=("model", "optimizer", "global_state", "forward_backward_func"),
+           calls=("_handle_mxfp8_param_buffer_copy",)),
+    Target("_handle_mxfp8_param_buffer_copy", TRAIN_MODULE, RELEASE_SITE,
+           "the param-buffer copy helper: offload before it, release after it (it reads the masters)"),
 )
+MODULES: Tuple[str, ...] = tuple(dict.fromkeys(t.module for t in TARGETS))
+
+
+@dataclasses.dataclass(frozen=True)
+class Alias:
+    """A name another Bridge module binds to a target; runs through it must reach the wrapper."""
+
+    module: str
+    name: str
+    target: str  # the Target's name
+    callers: str  # who starts training through the alias, in words
+
+    @property
+    def qualname(self) -> str:
+        return f"{self.module}.{self.name}"
+
+
+ALIASES: Tuple[Alias, ...] = (
+    Alias("megatron.bridge.training.pretrain", "train", "train", "runs started through pretrain() (Bridge's recipes)"),
+)
+
+
+def target(name: str) -> Target:
+    return next(t for t in TARGETS if t.name == name)
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """Something that stops the patch; `target` names the target it is about (None: none)."""
+
+    text: str
+    target: Optional[str] = None
+
+    def __str__(self) -> str:
+        return self.text
 
 
 def code_names(func) -> frozenset:
@@ -49,10 +99,10 @@ def code_names(func) -> frozenset:
 
 @dataclasses.dataclass
 class Layout:
-    """What was found in Bridge's train module."""
+    """What was found in Bridge's target modules."""
 
     found: Dict[str, bool]
-    problems: List[str]
+    problems: List[Problem]
     native_wiring: List[str]
     param_index: Dict[str, Dict[str, int]]
 
@@ -69,31 +119,26 @@ def _param_index(func, needed) -> Tuple[Dict[str, int], List[str]]:
     return {n: params.index(n) for n in needed if n in params}, [n for n in needed if n not in params]
 
 
-def inspect_layout(module: types.ModuleType) -> Layout:
-    """Check every target the patch needs, so it can patch all of them or none."""
-    ns = vars(module)
-    found, problems, index = {}, [], {}
-    for name in (TRAIN, TRAIN_STEP, COPY_HELPER):
-        ok = callable(ns.get(name))
-        found[name] = ok
-        if not ok:
-            problems.append(f"{TRAIN_MODULE}.{name} is missing")
-    if found[TRAIN_STEP]:
-        names = code_names(ns[TRAIN_STEP])
-        if found[COPY_HELPER] and COPY_HELPER not in names:
-            problems.append(f"{TRAIN_STEP} no longer calls {COPY_HELPER} (the release site)")
-        if "forward_backward_func" not in inspect.signature(ns[TRAIN_STEP]).parameters:
-            problems.append(f"{TRAIN_STEP} takes no forward_backward_func argument")
-    for name in (TRAIN, TRAIN_STEP):
-        if found[name]:
-            index[name], missing = _param_index(ns[name], NEEDED_PARAMS[name])
-            if missing:
-                problems.append(f"{name}() has no parameter(s) {', '.join(missing)}")
-    if found[TRAIN] and TRAIN_STEP not in code_names(ns[TRAIN]):
-        problems.append(f"{TRAIN}() no longer calls {TRAIN_STEP}")
-    native = sorted(
-        n for name in (TRAIN, TRAIN_STEP) if found[name] for n in code_names(ns[name]) & NATIVE_WIRING_NAMES
-    )
+def inspect_layout(modules: Mapping[str, types.ModuleType]) -> Layout:
+    """Check every target the patch needs, so it can patch all of them or none.
+    `modules`: each module in MODULES by name."""
+    funcs = {t.name: vars(modules[t.module]).get(t.name) for t in TARGETS}
+    found = {name: callable(f) for name, f in funcs.items()}
+    problems = [Problem(f"{t.qualname} is missing", t.name) for t in TARGETS if not found[t.name]]
+    index = {}
+    for t in TARGETS:
+        if not found[t.name]:
+            continue
+        index[t.name], missing = _param_index(funcs[t.name], t.params)
+        if missing:
+            problems.append(Problem(f"{t.name}() has no parameter(s) {', '.join(missing)}", t.name))
+        names = code_names(funcs[t.name])
+        for callee in t.calls:
+            if found.get(callee, True) and callee not in names:  # a missing callee is its own problem
+                problems.append(Problem(f"{t.name}() no longer calls {callee}", t.name))
+    wiring = native_wiring_names()
+    native = sorted({n for t in TARGETS if t.role in WIRING_ROLES and found[t.name]
+                     for n in code_names(funcs[t.name]) & wiring})
     return Layout(found=found, problems=problems, native_wiring=native, param_index=index)
 
 
@@ -119,7 +164,3 @@ def holders(obj) -> Iterator[Tuple[types.ModuleType, str]]:
         for key, value in list(ns.items()):
             if value is obj:
                 yield mod, key
-
-
-def module_if_loaded(name: str) -> Optional[types.ModuleType]:
-    return sys.modules.get(name)

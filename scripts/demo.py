@@ -8,15 +8,12 @@ Stand-ins replace only what needs a GPU or a cluster (tests/support/harness.py).
    each step; the calls in order, the report, and final parameters identical to an unpatched run.
 """
 import logging
+import os
+import sys
 from unittest import mock
 
-import torch
-
-logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s: %(message)s")
+logging.basicConfig(level=logging.WARNING, format="  log: %(name)s %(levelname)s: %(message)s")
 logging.getLogger("bridge_fgo").setLevel(logging.INFO)
-
-import os  # noqa: E402
-import sys  # noqa: E402
 
 # the CPU harness lives with the tests, outside the installed package
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "tests"))
@@ -24,23 +21,43 @@ from support import harness, te_free  # noqa: E402
 
 te_free.install()  # this machine has no Transformer Engine
 import bridge_fgo  # noqa: E402
+from bridge_fgo.cli import third_party_output  # noqa: E402
+
+ENGINE_CALLS = ("offload", "release", "reload", "wait_reload")
+
+
+def say(text=""):
+    print(text, flush=True)
 
 
 def params(rig):
     return [p.clone() for g in rig.dist_optimizer.optimizer.param_groups for p in g["params"]]
 
 
-print("== 1. offload=auto, cfg.optimizer.offload_optimizer_states=True")
-print(bridge_fgo.patch())
+say("bridge_fgo patches Megatron-Bridge's training loop so that the optimizer's states leave the GPU")
+say("during forward-backward and come back for the optimizer step. Below, Bridge's real train_step")
+say("runs on CPU; each step's calls are listed in order.\n")
+with third_party_output(verbose=False, prog="demo", hint=""):  # Bridge's and Megatron's import-time warnings
+    import megatron.bridge.training.train  # noqa: F401
+import torch  # noqa: E402  (loaded by Bridge above)
+
+say("== 1. offload=auto, cfg.optimizer.offload_optimizer_states=True, on megatron-core "
+    f"{bridge_fgo.status().versions['megatron-core']} (no release has an offloader)")
+report = bridge_fgo.patch()
+say(f"patch(): {report.outcome}, mode {report.mode}; Megatron-Core offload generation: {report.generation}")
+say("Expected: one warning that the flag has nothing to call, and no offload/release/reload calls.")
 rig = harness.Rig(cfg=harness.config_container(harness.optimizer_config(offload_optimizer_states=True)))
 harness.run_steps(rig, steps=2)
-print("calls, step 1:", rig.events[: len(rig.events) // 2])
+say(f"calls, step 1: {rig.events[: len(rig.events) // 2]}")
 bridge_fgo.unpatch()
 
-print("\n== 2. offload=builtin: the engine, through Bridge's real train_step")
+say("\n== 2. offload=builtin: bridge_fgo's own engine, no config flag needed")
 baseline = harness.Rig(with_tensors=True)
-harness.run_steps(baseline, steps=3)
-bridge_fgo.patch(offload="builtin")
+harness.run_steps(baseline, steps=3)  # the same training, unpatched, to compare with
+report = bridge_fgo.patch(offload="builtin")
+say(f"patch(offload='builtin'): {report.outcome}, mode {report.mode}")
+say("Expected: engine.offload before the param-buffer copy, engine.release after it, engine.reload")
+say("at gradient finalization, and the wait for it before the optimizer step.")
 rig = harness.Rig(with_tensors=True)
 from bridge_fgo.adapters.builtin import BuiltinAdapter  # noqa: E402
 
@@ -55,14 +72,15 @@ def recorded(name):
     return call
 
 
-with mock.patch.multiple(BuiltinAdapter, **{n: recorded(n) for n in ("offload", "release", "reload", "wait_reload")}):
+with mock.patch.multiple(BuiltinAdapter, **{n: recorded(n) for n in ENGINE_CALLS}):
     harness.run_steps(rig, steps=3)
 per_step = len(rig.events) // 3
-for i in range(3):
-    print(f"calls, step {i + 1}:", rig.events[i * per_step:(i + 1) * per_step])
-print("\n" + str(bridge_fgo.status()))
+steps = [rig.events[i * per_step:(i + 1) * per_step] for i in range(3)]
+say(f"calls, step 1: {steps[0]}")
+say("steps 2 and 3: " + ("the same calls" if steps[1] == steps[0] == steps[2] else f"{steps[1]} / {steps[2]}"))
+say("\nbridge_fgo.status() after the three steps:\n" + str(bridge_fgo.status()))
 same = all(torch.equal(a, b) for a, b in zip(params(baseline), params(rig)))
-print("\nfinal parameters identical to the unpatched run:", same)
+say(f"\nfinal parameters identical to the unpatched run: {same}")
 bridge_fgo.unpatch()
 if not same:
     raise SystemExit(1)

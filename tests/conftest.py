@@ -18,6 +18,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(ROOT, "tests", "scripts")
 
 
+def pythonpath(*entries):
+    """PYTHONPATH for a test's subprocess: the entries the test needs, then this checkout, so the
+    subprocess (and the venv's console scripts) import the bridge_fgo under test even where the
+    venv's editable install points at another checkout (a git worktree)."""
+    return os.pathsep.join([*entries, ROOT])
+
+
 @pytest.fixture(autouse=True)
 def _clean_patch(monkeypatch):
     """Every test starts and ends unpatched, with no BRIDGE_FGO_* variables."""
@@ -60,6 +67,7 @@ def caplog_fgo(caplog):
 def run_python(code_or_args, env=None, timeout=300, cwd=None):
     """Run a fresh interpreter (the venv's), returning the CompletedProcess."""
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("BRIDGE_FGO_")}
+    full_env["PYTHONPATH"] = pythonpath()
     full_env.update(env or {})
     full_env.setdefault("PYTHONWARNINGS", "ignore")
     args = code_or_args if isinstance(code_or_args, list) else ["-c", code_or_args]

@@ -8,7 +8,7 @@ import pytest
 
 from bridge_fgo import launcher
 from bridge_fgo.bootstrap import DIRECTORY as BOOTSTRAP
-from conftest import ROOT, SCRIPTS
+from conftest import ROOT, SCRIPTS, pythonpath
 
 BIN = os.path.dirname(sys.executable)
 RUN = os.path.join(BIN, "bridge-fgo-run")
@@ -24,7 +24,10 @@ def env_for(extra=None):
            if not k.startswith(("BRIDGE_FGO_", "FGO_TEST_")) and k != "PYTHONPATH"}
     env["PATH"] = BIN + os.pathsep + env.get("PATH", "")
     env.setdefault("PYTHONWARNINGS", "ignore")
-    env.update(extra or {})
+    extra = dict(extra or {})
+    given = extra.pop("PYTHONPATH", None)
+    env.update(extra)
+    env["PYTHONPATH"] = pythonpath(*given.split(os.pathsep)) if given else pythonpath()
     return env
 
 
@@ -59,7 +62,7 @@ def test_python_script_passthrough_and_user_sitecustomize():
     assert r["env"] == {"BRIDGE_FGO_STRICT": "1"}
     assert r["heavy_modules"] == []
     # the bootstrap first on PYTHONPATH, once; the user's entries kept in order
-    assert r["pythonpath"] == os.pathsep.join([BOOTSTRAP, USERDIR, "/nonexistent/extra"])
+    assert r["pythonpath"] == os.pathsep.join([BOOTSTRAP, USERDIR, "/nonexistent/extra", ROOT])
     assert r["sys_path_has_bootstrap"]
     # the user's own sitecustomize ran, from inside the bootstrap, and is the `sitecustomize` module
     assert r["user_sitecustomize_ran"] and r["user_sitecustomize_saw_bootstrap"]
@@ -78,7 +81,7 @@ def test_dot_py_runs_with_this_python_and_option_beats_environment():
     assert r["argv"] == [LAUNCHED, "x"]
     assert os.path.realpath(r["executable"]) == os.path.realpath(sys.executable)
     assert (r["outcome"], r["mode"], r["strict"]) == ("pending", "builtin", False)
-    assert r["pythonpath"] == BOOTSTRAP  # no stray separator: an empty entry would mean the cwd
+    assert r["pythonpath"] == os.pathsep.join([BOOTSTRAP, ROOT])
     assert r["sitecustomize_file"] == os.path.join(BOOTSTRAP, "sitecustomize.py")  # none to chain to
     assert not r["user_sitecustomize_ran"]
 
@@ -88,7 +91,8 @@ def test_nested_launcher_and_disable():
                    "import os, bridge_fgo; "
                    "print(bridge_fgo.status().outcome, bridge_fgo.is_patched(), os.environ['PYTHONPATH'])"])
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ["not-patched", "False", BOOTSTRAP]  # the inner launcher added no 2nd entry
+    # the inner launcher added no second entry
+    assert proc.stdout.split() == ["not-patched", "False", os.pathsep.join([BOOTSTRAP, ROOT])]
     assert "bridge_fgo INFO: bridge_fgo disabled by BRIDGE_FGO_DISABLE: nothing patched" in proc.stderr
 
 
@@ -179,7 +183,7 @@ def test_unknown_variable_warns_and_runs():
 def test_print_env_for_launchers_that_take_no_wrapper():
     proc = launch(["--strict", "--offload", "builtin", "--print-env"], env={"PYTHONPATH": USERDIR})
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.splitlines() == [f"export PYTHONPATH={BOOTSTRAP}{os.pathsep}{USERDIR}",
+    assert proc.stdout.splitlines() == [f"export PYTHONPATH={os.pathsep.join([BOOTSTRAP, USERDIR, ROOT])}",
                                         "export BRIDGE_FGO_OFFLOAD=builtin", "export BRIDGE_FGO_STRICT=1"]
 
 

@@ -1,7 +1,6 @@
 """Saying what happens: `bridge-fgo status` / `bridge-fgo-run --check` against the real installed
 Megatron-Bridge and Megatron-Core, and the run-time log lines of the stand-in training loop."""
 import importlib.metadata
-import importlib.util
 import json
 import logging
 import os
@@ -13,24 +12,25 @@ from unittest import mock
 import pytest
 
 import bridge_fgo
-from bridge_fgo import cli, diagnose as diagnose_mod, generations
+from bridge_fgo import cli, diagnose as diagnose_mod, generations, targets
+from bridge_fgo.adapters import chunked
 from bridge_fgo.errors import BridgeFGOError
 from bridge_fgo.options import Options
 from support import harness
-from conftest import ROOT
+from conftest import ROOT, pythonpath
 
 BIN = os.path.dirname(sys.executable)
 USERDIR = os.path.join(ROOT, "tests", "userdir")
 HELPER = "_handle_mxfp8_param_buffer_copy"
 PRETRAIN_ALIAS = "megatron.bridge.training.pretrain.train"
-ALL_TARGETS = {"train": True, "train_step": True, HELPER: True, PRETRAIN_ALIAS: True}
-BUILTIN_ENGINE = importlib.util.find_spec("bridge_fgo.adapters.builtin") is not None
+# derived from the target table (test_targets.py pins the table itself)
+ALL_TARGETS = {**{t.name: True for t in targets.TARGETS}, **{a.qualname: True for a in targets.ALIASES}}
 
 
 def run(args, simulate=None, env=None, timeout=180):
     """A console script (or python) of the venv, in a fresh process, Bridge loadable without TE."""
     full = {k: v for k, v in os.environ.items() if not k.startswith(("BRIDGE_FGO_", "FGO_TEST_"))}
-    full.update({"PYTHONPATH": USERDIR, "PYTHONWARNINGS": "ignore", **(env or {})})
+    full.update({"PYTHONPATH": pythonpath(USERDIR), "PYTHONWARNINGS": "ignore", **(env or {})})
     if simulate:
         full["FGO_TEST_SIMULATE"] = simulate
     return subprocess.run([os.path.join(BIN, args[0]), *args[1:]], env=full, capture_output=True, text=True,
@@ -51,7 +51,10 @@ def test_status_json_real_environment():
     assert v["megatron-core"] == "0.19.2" and v["megatron-bridge"] == "0.6.2"
     assert v["torch"] == importlib.metadata.version("torch") and v["wrapt"] == importlib.metadata.version("wrapt")
     assert v["python"] == platform.python_version() and v["bridge-fgo"] == bridge_fgo.__version__
-    assert r["generation"] == "none" and r["generation_meaning"] == generations.MEANING["none"]
+    assert r["generation"] == "none"
+    assert r["generation_meaning"] == ("this Megatron-Core has no optimizer-state offload; bridge_fgo's builtin "
+                                       "engine can provide it")
+    assert r["chunk_mb"] == 256
     assert r["native_wiring"] == [] and r["problems"] == []
     assert r["targets"] == ALL_TARGETS
     assert "the same function as megatron.bridge.training.train.train" in r["target_notes"][PRETRAIN_ALIAS]
@@ -70,12 +73,8 @@ def test_check_builtin_through_the_launcher_runs_nothing(tmp_path):
     r = json.loads(proc.stdout)
     assert not marker.exists() and "--check: python is not run" in proc.stderr
     assert (r["mode"], r["strict"], r["targets"]) == ("builtin", True, ALL_TARGETS)
-    if BUILTIN_ENGINE:
-        assert proc.returncode == 0 and r["offload_ready"] is True
-        assert r["verdict"].startswith("offload will run (mode builtin)")
-    else:  # the builtin engine is being written beside this; until it lands the verdict must say so
-        assert proc.returncode == 1 and r["offload_ready"] is False
-        assert "no builtin engine (bridge_fgo.adapters.builtin is missing)" in r["verdict"]
+    assert proc.returncode == 0 and r["offload_ready"] is True
+    assert r["verdict"].startswith("offload will run (mode builtin)")
 
 
 def test_status_names_a_missing_target():
@@ -135,7 +134,7 @@ def test_verdict_three_method(three_method):
 def test_verdict_chunked(mocker, train_module):
     from megatron.core.optimizer.optimizer import MegatronOptimizer
 
-    for m in generations.CHUNKED_METHODS:
+    for m in chunked.METHODS:
         mocker.patch.object(MegatronOptimizer, m, create=True, new=lambda self, *a, **k: None)
     report = diagnose_mod.diagnose(Options())
     assert report.generation == "chunked" and report.offload_ready
@@ -144,7 +143,7 @@ def test_verdict_chunked(mocker, train_module):
 
 def test_verdict_builtin_off_disable(train_module):
     builtin = diagnose_mod.diagnose(Options(offload="builtin"))
-    assert builtin.offload_ready is BUILTIN_ENGINE
+    assert builtin.offload_ready is True and builtin.verdict.startswith("offload will run (mode builtin)")
     off = diagnose_mod.diagnose(Options(offload="off"))
     assert not off.offload_ready and "offload=off patches but never offloads" in off.verdict
     disabled = diagnose_mod.diagnose(Options(disable=True))
@@ -207,12 +206,12 @@ def test_cli_in_process(capsys, monkeypatch, train_module):
 def train_through_the_wrapper(rig, steps):
     """Bridge's train() wrapper around a stand-in loop that calls the real (patched) train_step: the
     real train() needs a cluster, the wrapper's start/end logic does not."""
-    cs = bridge_fgo.patcher._current.callsites
+    loop_site = bridge_fgo.patcher._current.callsites.site(targets.target("train"))
 
     def loop(**kwargs):
         harness.run_steps(rig, steps=steps)
 
-    return cs.train(loop, None, (), {"model": rig.model, "optimizer": rig.optimizer, "global_state": rig.global_state})
+    return loop_site(loop, None, (), {"model": rig.model, "optimizer": rig.optimizer, "global_state": rig.global_state})
 
 
 def messages(caplog, level):

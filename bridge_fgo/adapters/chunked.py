@@ -1,5 +1,5 @@
-"""Megatron-Core's chunked optimizer-state offload (dev line since 2026-08-18, Megatron-LM 9050d4c5fb;
-read at dev d48bd6be0a85cc0d6d3cc71e8750cf357cc6bdb1).
+"""Generation `chunked`: Megatron-Core's chunked optimizer-state offload (dev line since 2026-08-18,
+Megatron-LM 9050d4c5fb; read at dev d48bd6be0a85cc0d6d3cc71e8750cf357cc6bdb1).
 
 All calls go to the top-level optimizer (ChainedOptimizer forwards them to its children), placed as
 Megatron-LM dev's own train_step places them:
@@ -15,10 +15,11 @@ for a checkpoint itself (synchronize_optimizer_state_for_checkpoint), so neither
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional, Tuple
 
-from ..generations import CHUNKED
-from ..session import Adapter
+from .base import Adapter, Generation
+
+METHODS = ("offload_optimizer_state_for_forward", "prefetch_optimizer_state_for_gradient_finalization")
 
 
 def delays_master_offload(cfg) -> bool:
@@ -26,12 +27,37 @@ def delays_master_offload(cfg) -> bool:
                 and getattr(getattr(cfg, "ddp", None), "overlap_param_gather", False))
 
 
-class ChunkedAdapter(Adapter):
-    name = CHUNKED
+def _offloaders(optimizer) -> List[object]:
+    """Each child's ChunkedOptimizerStateOffloader, found by what it has (its attribute on the
+    optimizer is private to Megatron-Core)."""
+    children = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    return [v for child in children for v in vars(child).values()
+            if hasattr(v, "selected_params") and hasattr(v, "chunks")]
 
+
+def _plan_figures(offloaders) -> Tuple[Optional[int], Optional[int]]:
+    """(tensors, bytes) the offloaders' plans move per step: each selected parameter's tensor states
+    plus its master where it has one. The byte figure is the plan's own (_estimated_bundle_bytes,
+    what chunking and the offload fraction are computed from; Megatron-Core has no public one at
+    d48bd6be). None where an offloader does not say."""
+    tensors = nbytes = 0
+    try:
+        for off in offloaders:
+            for param in off.selected_params:
+                tensors += len(off.state_dtypes) + bool(off._param_has_master(param))
+                nbytes += int(off._estimated_bundle_bytes(param))
+    except AttributeError:  # another Megatron-Core revision: say "unknown", never guess
+        return None, None
+    return (tensors, nbytes) if offloaders else (None, None)
+
+
+class ChunkedAdapter(Adapter):
     def __init__(self, optimizer, cfg):
         self.optimizer = optimizer
         self.delay_master = delays_master_offload(cfg)
+        # Megatron-Core builds its offloaders with the optimizers and plans once: read them once
+        self.offloaders = _offloaders(optimizer)
+        self.tensors, self.bytes = _plan_figures(self.offloaders)
 
     def offload(self) -> Optional[int]:
         opt = self.optimizer
@@ -39,7 +65,7 @@ class ChunkedAdapter(Adapter):
             opt.ensure_master_weights_for_pre_forward_param_sync()
             opt.start_param_sync_for_bucket_group_subset(force_sync=True)
         opt.offload_optimizer_state_for_forward(offload_master=not self.delay_master)
-        return None
+        return self.bytes
 
     def release(self) -> None:
         if self.delay_master:  # the param-buffer copy has read the masters: now they can go
@@ -47,7 +73,63 @@ class ChunkedAdapter(Adapter):
 
     def reload(self) -> Optional[int]:
         self.optimizer.prefetch_optimizer_state_for_gradient_finalization()
-        return None
+        return self.bytes
 
     def describe(self):
-        return {"optimizers": len(getattr(self.optimizer, "chained_optimizers", None) or [self.optimizer])}
+        out = {"optimizers": len(getattr(self.optimizer, "chained_optimizers", None) or [self.optimizer])}
+        if self.bytes is not None:
+            out.update(tensors=self.tensors, bytes=self.bytes)
+        return out
+
+
+def _requested(opt) -> bool:
+    # The chunked line's __post_init__ turns the deprecated offload_optimizer_states into
+    # chunked_optimizer_state_offload and resets the alias to False.
+    if getattr(opt, "chunked_optimizer_state_offload", False):
+        return getattr(opt, "optimizer_state_offload_fraction", 1.0) > 0.0
+    return bool(getattr(opt, "offload_optimizer_states", False))
+
+
+def _checkpoint_refusals(ckpt) -> List[str]:
+    """Megatron-LM dev's own checks for the chunked line (arguments.py, checkpointing.py at d48bd6be)."""
+    if ckpt is None:
+        return []
+    out = []
+    saves_optim = getattr(ckpt, "save", None) and getattr(ckpt, "save_optim", True)
+    loads_optim = getattr(ckpt, "load", None) and getattr(ckpt, "load_optim", True)
+    if saves_optim and getattr(ckpt, "async_save", False):
+        out.append("cfg.checkpoint.async_save=True while optimizer state is saved: the chunked offload's pinned "
+                   "buffers cannot be handed to a background writer; set async_save=False or save_optim=False")
+    if (saves_optim or loads_optim) and getattr(ckpt, "ckpt_format", "torch_dist") != "torch_dist":
+        out.append(f"cfg.checkpoint.ckpt_format={ckpt.ckpt_format!r}: the chunked offload needs 'torch_dist' when "
+                   "optimizer state is saved or loaded")
+    return out
+
+
+class _Chunked(Generation):
+    name = mode = "chunked"
+    meaning = "Megatron-Core's chunked offload API: bridge_fgo wires it when the config flag is set"
+    who = "Megatron-Core's chunked optimizer-state offload"
+    flag = "cfg.optimizer.chunked_optimizer_state_offload (or its deprecated alias offload_optimizer_states)"
+    native_wiring = (*METHODS, "synchronize_optimizer_state_for_checkpoint")
+    self_driven = True  # the offloader streams states inside step() once built
+
+    def detect(self, cls) -> bool:
+        return all(hasattr(cls, m) for m in METHODS)
+
+    def requested(self, cfg) -> bool:
+        return _requested(getattr(cfg, "optimizer", None))
+
+    def refusals(self, cfg) -> List[str]:
+        return _checkpoint_refusals(getattr(cfg, "checkpoint", None))
+
+    def build(self, optimizer, cfg, dist_optimizers, options) -> Adapter:
+        return ChunkedAdapter(optimizer, cfg)
+
+    def verdict(self) -> str:
+        return ("offload will run (mode auto) through Megatron-Core's chunked offloader, in runs whose config "
+                "sets cfg.optimizer.chunked_optimizer_state_offload=True (or its deprecated alias "
+                "offload_optimizer_states); runs without it are left alone")
+
+
+GENERATION = _Chunked()

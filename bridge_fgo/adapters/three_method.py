@@ -1,4 +1,4 @@
-"""Megatron-Core's dev-line three-method offloader (2026-01..2026-08).
+"""Generation `three-method`: Megatron-Core's dev-line offloader (2026-01..2026-08).
 
 DistributedOptimizer.offload_states() / .release_offloaded_gpu_states() / .reload_offloaded_states()
 forward to an OptimizerStateOffloader built when cfg.optimizer.offload_optimizer_states is set.
@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from typing import List, Optional
 
-from ..generations import THREE_METHOD
-from ..session import Adapter
+from .base import Adapter, Generation
+
+METHODS = ("offload_states", "release_offloaded_gpu_states", "reload_offloaded_states")
 
 
 def _offloaders(dist_optimizer) -> List[object]:
@@ -19,8 +20,6 @@ def _offloaders(dist_optimizer) -> List[object]:
 
 
 class ThreeMethodAdapter(Adapter):
-    name = THREE_METHOD
-
     def __init__(self, dist_optimizers: List[object]):
         self.dist_optimizers = list(dist_optimizers)
         # DistributedOptimizer builds its offloader in __init__: look once, not every step
@@ -51,3 +50,24 @@ class ThreeMethodAdapter(Adapter):
 
     def describe(self):
         return {"optimizers": len(self.dist_optimizers)}
+
+
+class _ThreeMethod(Generation):
+    name = mode = "three-method"
+    meaning = "Megatron-Core's three-method offloader: bridge_fgo wires it when the config flag is set"
+    who = "Megatron-Core's optimizer-state offload"
+    flag = "cfg.optimizer.offload_optimizer_states"
+    native_wiring = METHODS
+
+    def detect(self, cls) -> bool:
+        return all(hasattr(cls, m) for m in METHODS)
+
+    def build(self, optimizer, cfg, dist_optimizers, options) -> Adapter:
+        return ThreeMethodAdapter(dist_optimizers)
+
+    def verdict(self) -> str:
+        return ("offload will run (mode auto) through Megatron-Core's three-method offloader, in runs whose "
+                "config sets cfg.optimizer.offload_optimizer_states=True; runs without the flag are left alone")
+
+
+GENERATION = _ThreeMethod()

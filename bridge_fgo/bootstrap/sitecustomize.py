@@ -16,7 +16,7 @@ import sys
 
 # On `sys`, not in this module: it survives reload() and a second import under another name.
 _MARK = "_bridge_fgo_bootstrapped"
-_TRUE = ("1", "true", "yes", "on")
+_HERE = os.path.dirname(os.path.realpath(__file__))
 _FORMAT = "bridge_fgo %(levelname)s: %(message)s"
 
 _log = logging.getLogger("bridge_fgo")
@@ -72,16 +72,27 @@ def _handler():
     _log.propagate = False
 
 
-def _strict():
-    return os.environ.get("BRIDGE_FGO_STRICT", "").strip().lower() in _TRUE
+def _envflags():
+    """bridge_fgo's variable names and boolean words, from bridge_fgo/envflags.py by its path: readable
+    even where bridge_fgo itself cannot be imported (and never importable from PYTHONPATH as `envflags`)."""
+    path = os.path.join(os.path.dirname(_HERE), "envflags.py")
+    spec = importlib.util.spec_from_file_location("_bridge_fgo_envflags", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _failed(msg, *args, **kwargs):
     """Not patched: an error line, and with BRIDGE_FGO_STRICT the process stops (exit status 2).
-    Without it, processes that never train (tools, the launcher's agent) must keep working."""
+    Without it, processes that never train (tools, the launcher's agent) must keep working.
+    BRIDGE_FGO_DISABLE wins over strict: disabled, nothing was to be patched, so nothing failed."""
+    flags = _envflags()
+    if flags.is_set(os.environ, "disable"):
+        _log.info("%s is set: nothing patched; " + msg, flags.env_name("disable"), *args)
+        return
     _log.error(msg, *args, **kwargs)
-    if _strict():
-        _log.error("BRIDGE_FGO_STRICT is set: stopping (exit status 2)")
+    if flags.is_set(os.environ, "strict"):
+        _log.error("%s is set: stopping (exit status 2)", flags.env_name("strict"))
         for h in _log.handlers:
             h.flush()
         sys.stderr.flush()
@@ -108,7 +119,7 @@ def _main():
     if getattr(sys, _MARK, False):
         return
     setattr(sys, _MARK, True)
-    chain_error = _chain(os.path.dirname(os.path.realpath(__file__)))
+    chain_error = _chain(_HERE)
     _handler()
     if chain_error:
         _log.error("%s", chain_error)

@@ -4,6 +4,7 @@ patched."""
 import json
 import os
 import runpy
+import sys
 
 import torch
 import torch.distributed as dist
@@ -11,8 +12,7 @@ import torch.distributed as dist
 import bridge_fgo
 from bridge_fgo.bootstrap import DIRECTORY
 from bridge_fgo.patcher import _Target
-
-TARGETS = ("train", "train_step", "_handle_mxfp8_param_buffer_copy")
+from bridge_fgo.targets import TARGETS
 
 # The bootstrap a second time in this process: still one hook, the targets still wrapped once.
 runpy.run_path(os.path.join(DIRECTORY, "sitecustomize.py"), run_name="sitecustomize_again")
@@ -25,8 +25,8 @@ import megatron.bridge.training.train as train_module  # noqa: E402
 total = torch.tensor([float(dist.get_rank() + 1)])
 dist.all_reduce(total)
 report = bridge_fgo.status()
-wrapped_once = all(isinstance(getattr(train_module, n), _Target)
-                   and not isinstance(getattr(train_module, n).__wrapped__, _Target) for n in TARGETS)
+wrapped_once = all(isinstance(getattr(sys.modules[t.module], t.name), _Target)
+                   and not isinstance(getattr(sys.modules[t.module], t.name).__wrapped__, _Target) for t in TARGETS)
 print("WORKER " + json.dumps({
     "rank": dist.get_rank(),
     "env_rank": int(os.environ["RANK"]),

@@ -10,6 +10,7 @@ from support import te_free
 te_free.install()
 import bridge_fgo  # noqa: E402
 from bridge_fgo.patcher import _Target  # noqa: E402
+from bridge_fgo.targets import TARGETS  # noqa: E402
 
 TRAIN, PRETRAIN = "megatron.bridge.training.train", "megatron.bridge.training.pretrain"
 
@@ -21,8 +22,8 @@ def wrapped_once(obj, name):
 
 def check_patched():
     t = sys.modules[TRAIN]
-    for name in ("train", "train_step", "_handle_mxfp8_param_buffer_copy"):
-        wrapped_once(getattr(t, name), name)
+    for target in TARGETS:
+        wrapped_once(getattr(sys.modules[target.module], target.name), target.name)
     assert bridge_fgo.is_patched(), bridge_fgo.status()
     if PRETRAIN in sys.modules:
         assert sys.modules[PRETRAIN].train is t.train, "pretrain.train does not reach the wrapped train"
@@ -30,8 +31,9 @@ def check_patched():
 
 def check_unpatched():
     t = sys.modules[TRAIN]
-    for name in ("train", "train_step", "_handle_mxfp8_param_buffer_copy"):
-        assert not isinstance(getattr(t, name), _Target), f"{name} still wrapped after unpatch"
+    for target in TARGETS:
+        assert not isinstance(getattr(sys.modules[target.module], target.name), _Target), \
+            f"{target.name} still wrapped after unpatch"
     if PRETRAIN in sys.modules:
         assert sys.modules[PRETRAIN].train is t.train, "pretrain.train not restored"
         assert not isinstance(sys.modules[PRETRAIN].train, _Target)

@@ -1,0 +1,89 @@
+"""What every way of moving optimizer states provides: the Adapter a Session drives, and the
+Generation that declares one Megatron-Core offload generation to the rest of bridge_fgo.
+
+Nothing here imports torch or Megatron.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+
+class Adapter:
+    """How one Megatron-Core generation (or the builtin engine) moves states. Subclasses override."""
+
+    def prepare(self) -> None:
+        """Before the first step (e.g. allocate host buffers)."""
+
+    def offload(self) -> Optional[int]:
+        """Start copying states to the host; bytes moved if known."""
+        raise NotImplementedError
+
+    def release(self) -> None:
+        """Free the GPU storage of offloaded states (after the device-to-host copy is ordered)."""
+        raise NotImplementedError
+
+    def reload(self) -> Optional[int]:
+        """Start bringing states back (from released, or offloaded-but-not-released)."""
+        raise NotImplementedError
+
+    def wait_reload(self) -> None:
+        """Make the current stream wait for the reload, so anything after reads whole states."""
+
+    def describe(self) -> Dict[str, object]:
+        return {}
+
+    def close(self) -> None:
+        """Drop host resources; states are resident when this is called."""
+
+
+class Generation:
+    """One Megatron-Core offload generation, declared once (adapters/<generation>.py).
+
+    decide, config_checks, targets, diagnose and the patcher read these declarations and never
+    branch on a generation's name, so a new generation is one new module listed in
+    adapters/__init__.py.
+    """
+
+    name: str = ""  # as `bridge-fgo status` shows it: none, three-method, chunked
+    mode: str = ""  # the Session's mode (log lines, status) when this generation's adapter runs
+    meaning: str = ""  # status: what this generation means for a run
+    who: str = ""  # in configuration refusals: who cannot serve the configuration
+    flag: str = ""  # the config field(s) asking for offload, in words
+    # Methods whose presence in Bridge's loop means Bridge (or a fork) already wires offload itself.
+    native_wiring: Tuple[str, ...] = ()
+    # Its offloader moves states inside optimizer.step() once its flag is set, wired or not: the
+    # builtin engine on top would move the same states twice.
+    self_driven: bool = False
+    # Megatron-Core has an offloader to call (False: the flag has nothing to call).
+    has_offloader: bool = True
+
+    def detect(self, cls) -> bool:
+        """Whether this optimizer class (or Megatron-Core's base class) belongs to this generation."""
+        raise NotImplementedError
+
+    def requested(self, cfg) -> bool:
+        """Whether the run's config (Bridge's ConfigContainer) asks Megatron-Core for offload."""
+        return bool(getattr(getattr(cfg, "optimizer", None), "offload_optimizer_states", False))
+
+    def refusals(self, cfg) -> List[str]:
+        """Configurations this generation cannot serve beyond the shared ones (config_checks)."""
+        return []
+
+    def build(self, optimizer, cfg, dist_optimizers: List[object], options) -> Adapter:
+        raise NotImplementedError
+
+    def verdict(self) -> str:
+        """`bridge-fgo status` when this generation's adapter would run."""
+        raise NotImplementedError
+
+    # Only for a generation without an offloader (has_offloader False):
+    def unavailable(self, mcore: str) -> str:
+        """The run-time warning: the config asks for offload and Megatron-Core has nothing to call."""
+        raise NotImplementedError
+
+    def unavailable_verdict(self, mcore: str) -> str:
+        """`bridge-fgo status` in mode auto: why offload will not run."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<generation {self.name}>"
