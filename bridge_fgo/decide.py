@@ -89,5 +89,5 @@ def resolve(cfg, optimizer, options: Options) -> Optional[Session]:
         _not_acting(options.strict, ("no-fgo",),
                     generation.unavailable(generations.megatron_core_version() or "unknown"))
         return None
-    config_checks.check(cfg, inner, dist_opts, who=chosen.who, extra=chosen.refusals(cfg))
+    config_checks.check(cfg, inner, dist_opts, who=chosen.who, extra=chosen.refusals(cfg, options))
     return Session(optimizer, chosen.build(optimizer, cfg, dist_opts, options), mode=chosen.mode)

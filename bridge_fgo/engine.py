@@ -286,3 +286,12 @@ class Engine:
     @property
     def tensors(self) -> int:
         return len(self.plan)
+
+    @property
+    def steady_bytes(self) -> int:
+        """Bytes each step moves once Adam's moments exist (before the first step they do not)."""
+        inner = self._inner()
+        state = getattr(inner, "state", None) or {}
+        missing = sum(2 * p.numel() * p.element_size() for g in getattr(inner, "param_groups", None) or ()
+                      for p in g["params"] if not state.get(p))
+        return self.bytes + missing

@@ -65,9 +65,11 @@ class Session:
             self.state = RESIDENT
 
     def ensure_resident(self) -> None:
-        """Whatever happened, leave states whole on the GPU (train_step exit, train end, unpatch)."""
+        """Whatever happened, leave states whole where readers find them (train_step exit, train end,
+        unpatch): on the GPU, or, for the streamed step, in the host buffer with every copy done."""
         self.reload_begin()
         self.reload_end()
+        self.adapter.settle()
 
     # -- reporting ------------------------------------------------------------------------------
     def prepare(self) -> None:
@@ -92,10 +94,12 @@ class Session:
             return
         self.announced = True
         d = self.adapter.describe()
+        # the steady figure: Adam's moments do not exist before the first step, the plan counts them
         logger.info(
-            "%soffload active: mode=%s, %s optimizer(s), %s tensor(s), %s bytes offloaded per step",
+            "%soffload active: mode=%s, %s optimizer(s), %s tensor(s), %s bytes offloaded per step%s",
             rank_prefix(), self.mode, d.get("optimizers", "?"), d.get("tensors", "?"),
             d.get("bytes", self.bytes_offloaded if self.bytes_known else "?"),
+            f"; {self.adapter.window()}" if self.adapter.window() else "",
         )
 
     def summary(self, strict: bool) -> None:

@@ -90,7 +90,7 @@ def builtin_rig(**kw):
 
 
 def test_builtin_order_through_real_train_step():
-    bridge_fgo.patch(offload="builtin")
+    bridge_fgo.patch(offload="builtin", chunk_mb=0)  # the one-window engine
     rig = builtin_rig()
     harness.run_steps(rig, steps=3)
     assert rig.events == ORDER * 3  # the stand-in step asserts it never saw released storage
@@ -104,7 +104,7 @@ def test_builtin_order_through_real_train_step():
 def test_builtin_matches_unpatched_run():
     baseline = builtin_rig()
     harness.run_steps(baseline, steps=4)
-    bridge_fgo.patch(offload="builtin")
+    bridge_fgo.patch(offload="builtin", chunk_mb=0)  # the one-window engine
     patched = builtin_rig()
     harness.run_steps(patched, steps=4)
     a = [p for g in baseline.dist_optimizer.optimizer.param_groups for p in g["params"]]
@@ -113,7 +113,7 @@ def test_builtin_matches_unpatched_run():
 
 
 def test_builtin_exception_after_release_recovers():
-    bridge_fgo.patch(offload="builtin")
+    bridge_fgo.patch(offload="builtin", chunk_mb=0)  # the one-window engine
     rig = builtin_rig()
     harness.run_steps(rig, steps=2)
     rig.forward_backward_func = harness.forward_backward_func(rig.events, RuntimeError("oom in backward"))
@@ -127,7 +127,7 @@ def test_builtin_exception_after_release_recovers():
 
 
 def test_builtin_unpatch_mid_training_leaves_states_resident():
-    bridge_fgo.patch(offload="builtin")
+    bridge_fgo.patch(offload="builtin", chunk_mb=0)  # the one-window engine
     rig = builtin_rig()
     harness.run_steps(rig, steps=2)
     session = next(iter(bridge_fgo.patcher._current.callsites.registry.sessions()))

@@ -70,7 +70,7 @@ def test_bad_chunk_mb_in_the_environment(raw, monkeypatch):
 
 def test_chunk_mb_reaches_the_builtin_adapter():
     bridge_fgo.patch(offload="builtin", chunk_mb=64)
-    rig = harness.Rig(with_tensors=True)
+    rig = harness.Rig(cfg=harness.config_container(mxfp8_copy=False), with_tensors=True)
     harness.run_steps(rig, steps=1)
     session = next(iter(bridge_fgo.patcher._current.callsites.registry.sessions()))
     assert session.adapter.chunk_mb == 64 and len(session.adapter.engines) == 1

@@ -9,6 +9,7 @@ import types
 import pytest
 import torch
 
+import bridge_fgo
 from support import harness
 
 from bridge_fgo.errors import BridgeFGOError
@@ -269,3 +270,117 @@ def test_servable_configurations_pass():
     assert problems(cfg()) == []
     assert problems(cfg(checkpoint=ns(save="/ckpt", async_save=True, save_optim=False))) == []
     assert problems(cfg(checkpoint=ns(save="/ckpt", ckpt_format="torch_dist"))) == []
+
+
+# -- through Bridge's real train_step, patched by bridge_fgo.patch(offload="builtin", chunk_mb=...) ------------
+# Bundles (master + two moments) of 1-7 MB: with chunk_mb=1 every parameter is a chunk of its own.
+BIG = ((512, 1024), (600, 600), (1000,), (300, 700))
+
+
+def rig(**kw):
+    return harness.Rig(cfg=harness.config_container(mxfp8_copy=False), with_tensors=True, shapes=BIG, **kw)
+
+
+def engine_of():
+    (session,) = bridge_fgo.patcher._current.callsites.registry.sessions()
+    (engine,) = session.adapter.engines
+    return session, engine
+
+
+def rig_snapshot(r):
+    return snapshot(r.dist_optimizer)
+
+
+def test_train_step_bit_identical_and_same_bridge_calls():
+    base = rig()
+    harness.run_steps(base, steps=4)
+    bridge_fgo.patch(offload="builtin", chunk_mb=1)
+    patched = rig()
+    harness.run_steps(patched, steps=4)
+    assert_same(rig_snapshot(base), rig_snapshot(patched))
+    assert patched.events == base.events  # Bridge's own calls, in Bridge's order
+    session, engine = engine_of()
+    assert engine.steps_streamed == 4 and len(engine.chunks) == len(BIG) + 1
+    assert_whole_on_host(engine)
+
+
+def test_train_step_window_bound_and_reporting(caplog_fgo):
+    bridge_fgo.patch(offload="builtin", chunk_mb=1)
+    r = rig()
+    sizes = []
+
+    def record(optimizer, args, kwargs):
+        sizes.append(sum(p.numel() * p.element_size() * 3 for g in optimizer.param_groups for p in g["params"]))
+
+    r.dist_optimizer.optimizer.register_step_pre_hook(record)
+    harness.run_steps(r, steps=3)
+    session, engine = engine_of()
+    largest = max(sizes)
+    assert len(sizes) == 3 * len(engine.chunks) and largest <= engine.slot_bytes  # one chunk at a time
+    assert "step" not in r.dist_optimizer.optimizer.__dict__  # hooks only while an update is armed
+    (s,) = bridge_fgo.status().sessions
+    assert s["chunk_mb"] == 1 and s["chunks"] == len(engine.chunks)
+    assert s["step_peak_bytes"] == 2 * engine.slot_bytes
+    steady = engine.bytes
+    assert s["bytes"] == s["per_optimizer_bytes"][0] == steady
+    masters = sum(4 * torch.Size(shape).numel() for shape in BIG)
+    assert s["master_bytes"] == masters and steady == 3 * masters + 2 * 16 * 4  # + the fp32 param's moments
+    line = next(m for m in caplog_fgo.messages if "offload active" in m)
+    # the first step's line gives the steady figure: Adam's moments did not exist before step 1
+    assert f"{steady} bytes offloaded per step" in line
+    assert f"window: 1 MB chunks, {len(engine.chunks)} chunk(s), the step adds at most {2 * engine.slot_bytes} bytes" in line
+
+
+def test_train_step_exception_in_backward_leaves_whole_host_states():
+    bridge_fgo.patch(offload="builtin", chunk_mb=1)
+    r = rig()
+    harness.run_steps(r, steps=2)
+    before = rig_snapshot(r)
+    r.forward_backward_func = harness.forward_backward_func(r.events, RuntimeError("oom in backward"))
+    with pytest.raises(RuntimeError, match="oom"):
+        harness.run_steps(r, steps=1)
+    session, engine = engine_of()
+    assert session.state == "resident"
+    assert_whole_on_host(engine)
+    assert_same(before, rig_snapshot(r))
+    r.forward_backward_func = harness.forward_backward_func(r.events)
+    harness.run_steps(r, steps=1)
+
+
+def test_train_step_skipped_update_and_checkpoint_and_exit_see_current_states():
+    bridge_fgo.patch(offload="builtin", chunk_mb=1)
+    r = rig()
+    harness.run_steps(r, steps=2)
+    before = rig_snapshot(r)
+    r.optimizer.step_result = (False, None, None)  # inf/nan gradients: Megatron-Core skips the update
+    harness.run_steps(r, steps=1)
+    _, engine = engine_of()
+    assert_whole_on_host(engine)
+    assert_same(before, rig_snapshot(r))
+    # the rerun state machine asks for a checkpoint and exit: train_step returns before the step and
+    # train() saves; the reader sees the host copy, whole
+    out = harness.run_steps(r, steps=1, checkpoint_and_exit=(True, True, 0))
+    assert out[0][2:4] == (True, True)
+    assert_whole_on_host(engine)
+    assert_same(before, rig_snapshot(r))
+
+
+def test_unpatch_between_steps_then_megatron_core_alone_goes_on_identically():
+    base = rig()
+    harness.run_steps(base, steps=4)
+    bridge_fgo.patch(offload="builtin", chunk_mb=1)
+    r = rig()
+    harness.run_steps(r, steps=2)
+    _, engine = engine_of()
+    bridge_fgo.unpatch()
+    assert engine.buffer is None
+    harness.run_steps(r, steps=2)
+    assert_same(rig_snapshot(base), rig_snapshot(r))
+
+
+def test_train_step_refuses_what_the_streamed_step_cannot_serve_before_the_first_step():
+    bridge_fgo.patch(offload="builtin")  # the default window
+    r = harness.Rig(with_tensors=True)  # the harness's default config takes the MXFP8 param-buffer copy
+    with pytest.raises(bridge_fgo.BridgeFGOConfigError, match="reuse_grad_buf_for_mxfp8_param_ag.*chunk_mb=0"):
+        harness.run_steps(r, steps=1)
+    assert r.events == []

@@ -29,8 +29,16 @@ class Adapter:
     def wait_reload(self) -> None:
         """Make the current stream wait for the reload, so anything after reads whole states."""
 
+    def settle(self) -> None:
+        """train_step is over (done, skipped or failed): every copy finished, states whole where
+        readers outside the step find them."""
+
     def describe(self) -> Dict[str, object]:
         return {}
+
+    def window(self) -> str:
+        """How much of the states the GPU holds at once while they move, in words ('' if nothing to say)."""
+        return ""
 
     def close(self) -> None:
         """Drop host resources; states are resident when this is called."""
@@ -65,8 +73,9 @@ class Generation:
         """Whether the run's config (Bridge's ConfigContainer) asks Megatron-Core for offload."""
         return bool(getattr(getattr(cfg, "optimizer", None), "offload_optimizer_states", False))
 
-    def refusals(self, cfg) -> List[str]:
-        """Configurations this generation cannot serve beyond the shared ones (config_checks)."""
+    def refusals(self, cfg, options) -> List[str]:
+        """Configurations this generation (with these bridge_fgo options) cannot serve beyond the
+        shared ones (config_checks)."""
         return []
 
     def build(self, optimizer, cfg, dist_optimizers: List[object], options) -> Adapter:

@@ -120,7 +120,7 @@ class _Chunked(Generation):
     def requested(self, cfg) -> bool:
         return _requested(getattr(cfg, "optimizer", None))
 
-    def refusals(self, cfg) -> List[str]:
+    def refusals(self, cfg, options) -> List[str]:
         return _checkpoint_refusals(getattr(cfg, "checkpoint", None))
 
     def build(self, optimizer, cfg, dist_optimizers, options) -> Adapter:

@@ -181,7 +181,7 @@ def optimizer_config(**overrides):
     return cfg
 
 
-def config_container(optimizer_cfg=None, **sections):
+def config_container(optimizer_cfg=None, mxfp8_copy=True, **sections):
     ns = types.SimpleNamespace
     cfg = ns(
         train=ns(micro_batch_size=1, empty_unused_memory_level=0, check_optimizer_step_success=False,
@@ -193,7 +193,8 @@ def config_container(optimizer_cfg=None, **sections):
         dataset=ns(dataloader_type="single"),
         data_parallel_size=1,
     )
-    cfg.optimizer.reuse_grad_buf_for_mxfp8_param_ag = True  # take the helper's real copy path
+    # take the copy helper's real param-buffer copy path (the streamed step refuses it: mxfp8_copy=False)
+    cfg.optimizer.reuse_grad_buf_for_mxfp8_param_ag = mxfp8_copy
     for name, value in sections.items():
         setattr(cfg, name, value)
     return cfg
@@ -211,13 +212,13 @@ class Rig:
     """Everything one call of the real train_step needs."""
 
     def __init__(self, cfg=None, events: Optional[Recorder] = None, fail: Optional[BaseException] = None,
-                 step_result=(True, 1.0, 0), with_tensors: bool = False):
+                 step_result=(True, 1.0, 0), with_tensors: bool = False, **optimizer_kw):
         self.events = events if events is not None else Recorder()
         self.cfg = cfg if cfg is not None else config_container()
         self.model_config = types.SimpleNamespace(
             finalize_model_grads_func=finalize_recorder(self.events), seq_length=8)
         self.model = [ModelChunk(self.model_config, self.events)]
-        self.dist_optimizer = make_distributed_optimizer(self.events, with_tensors=with_tensors)
+        self.dist_optimizer = make_distributed_optimizer(self.events, with_tensors=with_tensors, **optimizer_kw)
         self.optimizer = ChainedOptimizer([self.dist_optimizer], self.events, step_result=step_result)
         self.scheduler = types.SimpleNamespace(step=lambda increment: self.events.add("scheduler.step"))
         self.global_state = types.SimpleNamespace(cfg=self.cfg, timers=lambda *a, **k: _Timer())
