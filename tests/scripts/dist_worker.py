@@ -27,7 +27,8 @@ dist.all_reduce(total)
 report = bridge_fgo.status()
 wrapped_once = all(isinstance(getattr(sys.modules[t.module], t.name), _Target)
                    and not isinstance(getattr(sys.modules[t.module], t.name).__wrapped__, _Target) for t in TARGETS)
-print("WORKER " + json.dumps({
+# one write(2) per line: two workers share the pipe, and print() may split a line in two writes
+os.write(1, ("WORKER " + json.dumps({
     "rank": dist.get_rank(),
     "env_rank": int(os.environ["RANK"]),
     "world": dist.get_world_size(),
@@ -40,6 +41,6 @@ print("WORKER " + json.dumps({
     "wrapped_once": wrapped_once,
     "pretrain_reaches_wrapper": pretrain.train is train_module.train,
     "all_reduce": total.item(),
-}), flush=True)
+}) + "\n").encode())
 dist.barrier()
 dist.destroy_process_group()
