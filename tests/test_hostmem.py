@@ -504,3 +504,25 @@ def test_import_does_not_import_torch():
                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert out.stdout.strip() == "False"
 
+
+def test_bench_script_without_cuda_says_so():
+    if torch.cuda.is_available():
+        pytest.skip("this checks the CPU-only answer")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, os.path.join(root, "scripts", "bench_numa.py"), "--gib", "0.01"],
+                         capture_output=True, text=True)
+    assert out.returncode == 1 and '"error": "CUDA is not available"' in out.stdout
+
+
+def test_bench_script_reads_page_placement():
+    import importlib.util
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("bench_numa", os.path.join(root, "scripts", "bench_numa.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    t = torch.empty(16 * 2**20, dtype=torch.uint8)
+    t.zero_()
+    pages = bench.node_pages(t.data_ptr(), t.numel())
+    assert sum(pages.values()) > 0
+    assert set(pages) <= {str(n) for n in hostmem.numa_nodes()}
