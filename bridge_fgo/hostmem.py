@@ -330,6 +330,8 @@ def check_fits(bytes_per_rank: int, *, env: Optional[Mapping[str, str]] = None, 
     when nothing could be read)."""
     if bytes_per_rank < 0:
         raise ValueError(f"bytes_per_rank must be >= 0, got {bytes_per_rank}")
+    if ranks is not None and int(ranks) < 1:
+        raise ValueError(f"ranks must be >= 1, got {ranks}")
     lr = local_ranks(env) if ranks is None else LocalRanks(int(ranks), f"{int(ranks)} (given by the caller)")
     needed = bytes_per_rank * lr.count
     mem = host_memory(root)
@@ -341,7 +343,7 @@ def check_fits(bytes_per_rank: int, *, env: Optional[Mapping[str, str]] = None, 
         return HostFit(bytes_per_rank, lr.count, lr.source, needed, 0, None, None, None, None)
     reserve = reserve_for(mem.bytes)
     fit = HostFit(bytes_per_rank, lr.count, lr.source, needed, reserve, mem.bytes, mem.source, mem.detail,
-                  needed + reserve <= mem.bytes)
+                  needed == 0 or needed + reserve <= mem.bytes)  # pinning nothing cannot hurt
     if not fit.fits:
         raise BridgeFGOConfigError(
             f"optimizer-state offload would pin more host memory than this node has: {fmt_bytes(bytes_per_rank)} "
@@ -545,7 +547,16 @@ class PinnedHost:
                 logger.warning("%scudaHostUnregister of %s failed with %s; the pages stay locked until the "
                                "process exits", rank_prefix(), fmt_bytes(self.nbytes), _err_name(err))
             self.registered = False
+            self.tensor = None
+            return
+        pinned_by_torch = self.method == "pin_memory=True"
         self.tensor = None
+        if pinned_by_torch:  # PyTorch caches freed pinned blocks; give this (power-of-two) one back
+            import torch
+
+            empty = getattr(torch._C, "_host_emptyCache", None)
+            if empty is not None:
+                empty()
 
     def describe(self) -> str:
         return (f"{fmt_bytes(self.nbytes)} host buffer, {self.method}, in {self.seconds:.2f} s; "
@@ -557,7 +568,7 @@ def _code(err) -> int:
 
 
 def _err_name(err) -> str:
-    code = _code(err)
+    """'CUDA error 2 (cudaErrorMemoryAllocation: out of memory)'."""
     name = getattr(err, "name", None)
     try:
         import torch
@@ -565,7 +576,8 @@ def _err_name(err) -> str:
         text = torch.cuda.cudart().cudaGetErrorString(err)
     except Exception:
         text = None
-    return f"CUDA error {code}" + (f" ({name}" if name else " (") + (f": {text})" if text else ")")
+    about = ": ".join(str(x) for x in (name, text) if x)
+    return f"CUDA error {_code(err)}" + (f" ({about})" if about else "")
 
 
 def _in_thread(fn):

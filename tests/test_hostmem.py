@@ -234,12 +234,15 @@ def test_unknown_memory_says_so_once_and_does_not_refuse(tmp_path, caplog):
     assert "not checked" in fit.describe()
 
 
-def test_zero_bytes_fit(tmp_path):
-    meminfo(tmp_path, 1 * GiB)  # less than the reserve: nothing to pin still fits
-    with pytest.raises(BridgeFGOConfigError):
-        hostmem.check_fits(0, ranks=1, root=str(tmp_path))
-    meminfo(tmp_path, 3 * GiB)
+def test_zero_bytes_fit_and_bad_arguments(tmp_path):
+    meminfo(tmp_path, 1 * GiB)  # less than the reserve: pinning nothing still fits
     assert hostmem.check_fits(0, ranks=8, root=str(tmp_path)).fits
+    with pytest.raises(BridgeFGOConfigError):
+        hostmem.check_fits(1, ranks=1, root=str(tmp_path))
+    with pytest.raises(ValueError, match="got -1"):
+        hostmem.check_fits(-1, root=str(tmp_path))
+    with pytest.raises(ValueError, match="ranks must be >= 1, got 0"):
+        hostmem.check_fits(1, ranks=0, root=str(tmp_path))
 
 
 # -- cpulists and the NUMA target ---------------------------------------------------------------------
@@ -467,8 +470,11 @@ def test_pin_register_refused_falls_back_with_one_warning(fake_cuda, tmp_path, m
                  f"0.00 GiB ({n} bytes)", "RLIMIT_MEMLOCK soft", "container", "pin_memory=True",
                  f"up to 0.00 GiB ({4 * 2**20} bytes) is pinned"):
         assert part in msg, part
+    emptied = []
+    monkeypatch.setattr(torch._C, "_host_emptyCache", lambda: emptied.append(1), raising=False)
     buf.free()
     assert [c[0] for c in fake_cuda.calls] == ["register"]  # nothing to unregister
+    assert emptied == [1] and buf.tensor is None  # PyTorch's cached pinned block is given back
 
 
 def test_pin_both_refused_raises_with_the_numbers(fake_cuda, tmp_path, monkeypatch):
