@@ -1,0 +1,534 @@
+"""bridge_fgo.hostmem on CPU: host memory read from faked /proc and /sys/fs/cgroup trees, the refusal,
+local-rank counting, cpulist parsing, NUMA first touch from bound threads (a faked two-node sysfs),
+and pin()'s register / fallback / failure paths with torch.cuda faked."""
+import logging
+import os
+import subprocess
+import sys
+import threading
+import weakref
+
+import pytest
+import torch
+
+from bridge_fgo import BridgeFGOConfigError, hostmem
+from bridge_fgo import log as fgo_log
+
+GiB = 2**30
+V1_UNLIMITED = "9223372036854771712"
+
+
+@pytest.fixture(autouse=True)
+def _fresh_once():
+    fgo_log.reset_once()
+    yield
+    fgo_log.reset_once()
+
+
+def put(root, rel, text):
+    path = root / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def meminfo(root, avail_bytes):
+    put(root, "proc/meminfo", f"MemTotal:       {4 * avail_bytes // 1024} kB\n"
+                              f"MemFree:        1234 kB\nMemAvailable:   {avail_bytes // 1024} kB\n")
+
+
+def cgroup_v2(root, path, levels, mountinfo=True):
+    """levels: {relative cgroup dir: (memory.max, memory.current, inactive_file)}"""
+    put(root, "proc/self/cgroup", f"0::{path}\n")
+    if mountinfo:
+        put(root, "proc/self/mountinfo",
+            "22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/sda1 rw\n"
+            "31 22 0:27 / /sys/fs/cgroup rw,nosuid shared:9 - cgroup2 cgroup2 rw,nsdelegate\n")
+    for rel, (mx, cur, inactive) in levels.items():
+        d = f"sys/fs/cgroup/{rel}".rstrip("/")
+        put(root, f"{d}/memory.max", f"{mx}\n")
+        put(root, f"{d}/memory.current", f"{cur}\n")
+        put(root, f"{d}/memory.stat", f"anon 1\nfile 2\nactive_file 3\ninactive_file {inactive}\nslab 4\n")
+
+
+# -- host memory available ---------------------------------------------------------------------------
+
+def test_fmt_bytes_readable_and_exact():
+    assert hostmem.fmt_bytes(12 * GiB) == "12.00 GiB (12884901888 bytes)"
+    assert hostmem.fmt_bytes(1) == "0.00 GiB (1 bytes)"
+
+
+def test_meminfo_only(tmp_path):
+    meminfo(tmp_path, 100 * GiB)
+    mem = hostmem.host_memory(str(tmp_path))
+    assert (mem.bytes, mem.source, mem.cgroup) == (100 * GiB, "MemAvailable", None)
+    assert hostmem.available_bytes(str(tmp_path)) == 100 * GiB
+
+
+def test_cgroup_v2_headroom_counts_inactive_file_as_free(tmp_path):
+    meminfo(tmp_path, 100 * GiB)
+    cgroup_v2(tmp_path, "/job.slice/step", {"job.slice/step": (8 * GiB, 3 * GiB, 1 * GiB), "job.slice": ("max", 3 * GiB, 0)})
+    mem = hostmem.host_memory(str(tmp_path))
+    assert mem.source == "cgroup v2"
+    assert mem.bytes == 8 * GiB - (3 * GiB - 1 * GiB)
+    assert mem.cgroup.path == str(tmp_path / "sys/fs/cgroup/job.slice/step")
+    assert mem.meminfo_available == 100 * GiB
+    assert "memory.max 8.00 GiB (8589934592 bytes)" in mem.detail
+
+
+def test_cgroup_v2_parent_limit_binds(tmp_path):
+    meminfo(tmp_path, 100 * GiB)
+    cgroup_v2(tmp_path, "/a/b", {"a/b": ("max", 1 * GiB, 0), "a": (5 * GiB, 2 * GiB, 0)})
+    mem = hostmem.host_memory(str(tmp_path))
+    assert mem.bytes == 3 * GiB and mem.cgroup.path.endswith("sys/fs/cgroup/a")
+
+
+def test_cgroup_v2_no_limit_and_meminfo_smaller_wins(tmp_path):
+    meminfo(tmp_path, 10 * GiB)
+    cgroup_v2(tmp_path, "/a", {"a": ("max", 1 * GiB, 0)})
+    assert hostmem.host_memory(str(tmp_path)).source == "MemAvailable"
+    cgroup_v2(tmp_path, "/a", {"a": (64 * GiB, 1 * GiB, 0)})
+    mem = hostmem.host_memory(str(tmp_path))
+    assert (mem.bytes, mem.source) == (10 * GiB, "MemAvailable")
+    assert "63.00 GiB" in mem.detail  # the cgroup's headroom is still shown
+
+
+def test_cgroup_v2_without_mountinfo_uses_the_usual_mount(tmp_path):
+    meminfo(tmp_path, 100 * GiB)
+    cgroup_v2(tmp_path, "/", {"": (4 * GiB, 1 * GiB, 0)}, mountinfo=False)
+    assert hostmem.available_bytes(str(tmp_path)) == 3 * GiB
+
+
+def test_cgroup_v1_container_without_cgroup_namespace(tmp_path):
+    """The container sees its host path /docker/abc, but only its own subtree is mounted."""
+    meminfo(tmp_path, 100 * GiB)
+    put(tmp_path, "proc/self/cgroup", "5:cpu,cpuacct:/docker/abc\n4:memory:/docker/abc\n0::/\n")
+    put(tmp_path, "proc/self/mountinfo",
+        "40 31 0:35 /docker/abc /sys/fs/cgroup/memory ro,nosuid - cgroup cgroup rw,memory\n"
+        "41 31 0:36 /docker/abc /sys/fs/cgroup/cpu,cpuacct ro - cgroup cgroup rw,cpu,cpuacct\n")
+    d = "sys/fs/cgroup/memory"
+    put(tmp_path, f"{d}/memory.limit_in_bytes", f"{16 * GiB}\n")
+    put(tmp_path, f"{d}/memory.usage_in_bytes", f"{6 * GiB}\n")
+    put(tmp_path, f"{d}/memory.stat", f"inactive_file 5\ntotal_inactive_file {2 * GiB}\n")
+    mem = hostmem.host_memory(str(tmp_path))
+    assert (mem.bytes, mem.source) == (12 * GiB, "cgroup v1")
+    assert "memory.limit_in_bytes 16.00 GiB" in mem.detail
+
+
+def test_cgroup_path_missing_under_the_mount_reads_the_mount(tmp_path):
+    """A mount whose root does not show the path (the host path is not visible): read the mount itself."""
+    meminfo(tmp_path, 100 * GiB)
+    cgroup_v2(tmp_path, "/kubepods/pod1/c1", {"": (9 * GiB, 4 * GiB, 0)})
+    mem = hostmem.host_memory(str(tmp_path))
+    assert (mem.bytes, mem.cgroup.path) == (5 * GiB, str(tmp_path / "sys/fs/cgroup"))
+
+
+def test_cgroup_v1_unlimited_is_no_limit(tmp_path):
+    meminfo(tmp_path, 7 * GiB)
+    put(tmp_path, "proc/self/cgroup", "4:memory:/x\n")
+    put(tmp_path, "proc/self/mountinfo", "35 31 0:32 / /sys/fs/cgroup/memory rw - cgroup cgroup rw,memory\n")
+    for d in ("sys/fs/cgroup/memory", "sys/fs/cgroup/memory/x"):
+        put(tmp_path, f"{d}/memory.limit_in_bytes", V1_UNLIMITED)
+        put(tmp_path, f"{d}/memory.usage_in_bytes", str(5 * GiB))
+    mem = hostmem.host_memory(str(tmp_path))
+    assert (mem.bytes, mem.source, mem.cgroup) == (7 * GiB, "MemAvailable", None)
+
+
+def test_nothing_readable(tmp_path):
+    assert hostmem.host_memory(str(tmp_path)) is None
+    assert hostmem.available_bytes(str(tmp_path)) is None
+
+
+def test_this_host_is_readable():
+    mem = hostmem.host_memory()
+    assert mem is not None and mem.bytes > 0
+
+
+# -- local ranks ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("env, count, source", [
+    ({"LOCAL_WORLD_SIZE": "8", "SLURM_NTASKS_PER_NODE": "4"}, 8, "LOCAL_WORLD_SIZE=8"),
+    ({"SLURM_NTASKS_PER_NODE": "4", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}, 4, "SLURM_NTASKS_PER_NODE=4"),
+    ({"SLURM_NTASKS_PER_NODE": "8(x2)"}, 8, "SLURM_NTASKS_PER_NODE=8(x2)"),
+    ({"SLURM_TASKS_PER_NODE": "8(x2),4", "SLURM_NODEID": "2"}, 4, "entry 2, SLURM_NODEID=2"),
+    ({"SLURM_TASKS_PER_NODE": "8(x2),4", "SLURM_NODEID": "1"}, 8, "entry 1"),
+    ({"SLURM_TASKS_PER_NODE": "4,8(x2)"}, 8, "the largest entry"),
+    ({"OMPI_COMM_WORLD_LOCAL_SIZE": "6"}, 6, "OMPI_COMM_WORLD_LOCAL_SIZE=6"),
+    ({}, 1, "assumed: none of LOCAL_WORLD_SIZE"),
+])
+def test_local_ranks(env, count, source):
+    got = hostmem.local_ranks(env)
+    assert got.count == count and source in got.source
+
+
+@pytest.mark.parametrize("bad", ["eight", "0", "-2", "8(x)", "4.5"])
+def test_local_ranks_bad_value_warns_and_falls_through(bad, caplog):
+    caplog.set_level(logging.WARNING, logger="bridge_fgo")
+    got = hostmem.local_ranks({"LOCAL_WORLD_SIZE": bad, "OMPI_COMM_WORLD_LOCAL_SIZE": "3"})
+    assert (got.count, got.source) == (3, "OMPI_COMM_WORLD_LOCAL_SIZE=3")
+    msgs = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(msgs) == 1 and f"LOCAL_WORLD_SIZE={bad!r}" in msgs[0]
+    hostmem.local_ranks({"LOCAL_WORLD_SIZE": bad})
+    assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1  # once per value
+
+
+def test_local_ranks_reads_os_environ(monkeypatch):
+    for var in ("SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "OMPI_COMM_WORLD_LOCAL_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "5")
+    assert hostmem.local_ranks().count == 5
+
+
+# -- the refusal ---------------------------------------------------------------------------------------
+
+def test_refused_with_every_number_and_the_fixes(tmp_path):
+    meminfo(tmp_path, 100 * GiB)
+    with pytest.raises(BridgeFGOConfigError) as exc:
+        hostmem.check_fits(12 * GiB, env={"LOCAL_WORLD_SIZE": "8"}, root=str(tmp_path))
+    msg = str(exc.value)
+    for part in ("12.00 GiB (12884901888 bytes) per rank", "x 8 local rank(s) (LOCAL_WORLD_SIZE=8)",
+                 "= 96.00 GiB (103079215104 bytes)", "reserve of 5.00 GiB (5368709120 bytes)",
+                 "101.00 GiB (108447924224 bytes)", "only 100.00 GiB (107374182400 bytes) is available",
+                 "MemAvailable", "more data-parallel ranks", "chunk_mb", "does not reduce host bytes",
+                 "more host memory", "memory limit", "OOM killer", "before anything was pinned"):
+        assert part in msg, part
+
+
+def test_refusal_names_the_cgroup(tmp_path):
+    meminfo(tmp_path, 500 * GiB)
+    cgroup_v2(tmp_path, "/job", {"job": (40 * GiB, 4 * GiB, 0)})
+    with pytest.raises(BridgeFGOConfigError) as exc:
+        hostmem.check_fits(5 * GiB, env={"SLURM_NTASKS_PER_NODE": "8(x4)"}, root=str(tmp_path))
+    msg = str(exc.value)
+    assert "36.00 GiB (38654705664 bytes) is available (cgroup v2" in msg
+    assert str(tmp_path / "sys/fs/cgroup/job") in msg and "memory.max 40.00 GiB" in msg
+    assert "SLURM_NTASKS_PER_NODE=8(x4)" in msg and "= 40.00 GiB" in msg
+
+
+def test_fits_up_to_the_byte(tmp_path):
+    meminfo(tmp_path, 100 * GiB)  # reserve: 5% = 5 GiB
+    fit = hostmem.check_fits(19 * GiB, ranks=5, root=str(tmp_path))
+    assert (fit.fits, fit.needed, fit.reserve, fit.available, fit.source) == \
+        (True, 95 * GiB, 5 * GiB, 100 * GiB, "MemAvailable")
+    assert fit.local_ranks == 5 and "given by the caller" in fit.local_ranks_source
+    assert fit.as_dict()["needed"] == 95 * GiB and "fits" in fit.describe()
+    with pytest.raises(BridgeFGOConfigError):
+        hostmem.check_fits(19 * GiB + 1, ranks=5, root=str(tmp_path))
+
+
+def test_reserve_has_a_floor(tmp_path):
+    meminfo(tmp_path, 10 * GiB)  # 5% = 0.5 GiB < 2 GiB
+    assert hostmem.check_fits(8 * GiB, ranks=1, root=str(tmp_path)).reserve == 2 * GiB
+    with pytest.raises(BridgeFGOConfigError, match="reserve of 2.00 GiB"):
+        hostmem.check_fits(8 * GiB + 1, ranks=1, root=str(tmp_path))
+
+
+def test_unknown_memory_says_so_once_and_does_not_refuse(tmp_path, caplog):
+    caplog.set_level(logging.WARNING, logger="bridge_fgo")
+    for _ in range(2):
+        fit = hostmem.check_fits(10**15, env={"LOCAL_WORLD_SIZE": "8"}, root=str(tmp_path))
+        assert fit.fits is None and fit.available is None and fit.needed == 8 * 10**15
+    msgs = [r.getMessage() for r in caplog.records]
+    assert len(msgs) == 1
+    assert "cannot read the host memory available" in msgs[0] and str(8 * 10**15) in msgs[0]
+    assert "not checked" in fit.describe()
+
+
+def test_zero_bytes_fit_and_bad_arguments(tmp_path):
+    meminfo(tmp_path, 1 * GiB)  # less than the reserve: pinning nothing still fits
+    assert hostmem.check_fits(0, ranks=8, root=str(tmp_path)).fits
+    with pytest.raises(BridgeFGOConfigError):
+        hostmem.check_fits(1, ranks=1, root=str(tmp_path))
+    with pytest.raises(ValueError, match="got -1"):
+        hostmem.check_fits(-1, root=str(tmp_path))
+    with pytest.raises(ValueError, match="ranks must be >= 1, got 0"):
+        hostmem.check_fits(1, ranks=0, root=str(tmp_path))
+
+
+# -- cpulists and the NUMA target ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, cpus", [
+    ("0-15,32-47\n", list(range(16)) + list(range(32, 48))),
+    ("3", [3]), ("", []), ("\n", []), (" 1 , 3-4 \n", [1, 3, 4]), ("0-6:2", [0, 2, 4, 6]),
+    ("5,1-2,2", [1, 2, 5]),
+])
+def test_parse_cpulist(text, cpus):
+    assert hostmem.parse_cpulist(text) == cpus
+
+
+@pytest.mark.parametrize("bad", ["a", "5-3", "1-", "-1", "0-4:0", "1,,x"])
+def test_parse_cpulist_rejects(bad):
+    with pytest.raises(ValueError, match="cpulist"):
+        hostmem.parse_cpulist(bad)
+
+
+def test_format_cpulist():
+    assert hostmem.format_cpulist([0, 1, 2, 3, 8, 10, 11]) == "0-3,8,10-11"
+    assert hostmem.format_cpulist([]) == ""
+
+
+ADDR = "0000:17:00.0"
+
+
+def two_nodes(root, gpu_node="1", cpus=("0-15,32-47", "16-31,48-63")):
+    put(root, "sys/devices/system/node/online", "0-1\n")
+    for i, c in enumerate(cpus):
+        put(root, f"sys/devices/system/node/node{i}/cpulist", c + "\n")
+    put(root, f"sys/bus/pci/devices/{ADDR}/numa_node", gpu_node + "\n")
+
+
+def fake_pci(index):
+    return ADDR, "a test"
+
+
+def test_numa_target_two_nodes(tmp_path):
+    two_nodes(tmp_path)
+    t = hostmem.numa_target(0, root=str(tmp_path), pci_address=fake_pci)
+    assert t.node == 1 and t.cpus == tuple(range(16, 32)) + tuple(range(48, 64))
+    assert "NUMA node 1 of GPU 0 (PCI 0000:17:00.0" in t.reason and "16-31,48-63" in t.reason
+
+
+def test_numa_target_nodes_from_directory_listing(tmp_path):
+    two_nodes(tmp_path)
+    (tmp_path / "sys/devices/system/node/online").unlink()
+    assert hostmem.numa_nodes(str(tmp_path)) == [0, 1]
+    assert hostmem.numa_target(0, root=str(tmp_path), pci_address=fake_pci).node == 1
+
+
+@pytest.mark.parametrize("setup, reason", [
+    (lambda r: put(r, "sys/devices/system/node/online", "0\n"), "single NUMA node"),
+    (lambda r: None, "NUMA topology unknown"),
+    (lambda r: two_nodes(r, gpu_node="-1"), "gives no node for GPU 0 (-1)"),
+    (lambda r: two_nodes(r, cpus=("0-3", "")), "NUMA node 1 of GPU 0 (PCI 0000:17:00.0, from a test) lists no CPUs"),
+])
+def test_numa_target_no_placement(tmp_path, setup, reason):
+    setup(tmp_path)
+    t = hostmem.numa_target(0, root=str(tmp_path), pci_address=fake_pci)
+    assert t.node is None and t.cpus == () and reason in t.reason
+
+
+def test_numa_target_unknown_pci_address(tmp_path):
+    two_nodes(tmp_path)
+    t = hostmem.numa_target(3, root=str(tmp_path), pci_address=lambda i: (None, "nvidia-smi failed"))
+    assert t.node is None and "GPU 3's PCI address is unknown (nvidia-smi failed)" in t.reason
+
+    def boom(i):
+        raise RuntimeError("no driver")
+    t = hostmem.numa_target(3, root=str(tmp_path), pci_address=boom)
+    assert t.node is None and "RuntimeError: no driver" in t.reason
+
+
+# -- first touch from bound threads ---------------------------------------------------------------------
+
+@pytest.fixture
+def record_touch(monkeypatch):
+    """What each first-touch call saw from inside its thread: (thread name, affinity, start, length)."""
+    seen = []
+    real = hostmem._touch_range
+
+    def spy(ptr, nbytes):
+        seen.append((threading.current_thread().name, frozenset(os.sched_getaffinity(0)), ptr, nbytes))
+        real(ptr, nbytes)
+    monkeypatch.setattr(hostmem, "_touch_range", spy)
+    return seen
+
+
+def one_cpu():
+    return max(os.sched_getaffinity(0))  # the last CPU this process may use: a strict subset if > 1
+
+
+def test_first_touch_from_a_thread_bound_to_the_node(tmp_path, record_touch):
+    cpu = one_cpu()
+    two_nodes(tmp_path, cpus=("0-1000", str(cpu)))
+    target = hostmem.numa_target(0, root=str(tmp_path), pci_address=fake_pci)
+    before = os.sched_getaffinity(0)
+    t = torch.full((3 * 2**20 + 5,), 7, dtype=torch.uint8)
+    node, how = hostmem.first_touch(t, target)
+    assert node == 1 and f"bound to CPUs {cpu}" in how
+    assert [(aff, ptr, n) for _, aff, ptr, n in record_touch] == [(frozenset({cpu}), t.data_ptr(), t.numel())]
+    assert record_touch[0][0] != threading.current_thread().name
+    assert os.sched_getaffinity(0) == before  # the caller's affinity is untouched
+    assert int(t.count_nonzero()) == 0
+
+
+def test_first_touch_slices_cover_the_buffer(record_touch, monkeypatch):
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    cpu = one_cpu()
+    target = hostmem.NumaTarget(1, (cpu,) * 3, "NUMA node 1 (test)")  # three workers, all on one CPU
+    t = torch.full((5 * 2**20 + 123,), 9, dtype=torch.uint8)
+    node, how = hostmem.first_touch(t, target)
+    spans = sorted((ptr - t.data_ptr(), n) for _, _, ptr, n in record_touch)
+    assert spans == [(0, 2 * 2**20), (2 * 2**20, 2 * 2**20), (4 * 2**20, 2**20 + 123)]
+    assert len({tid for tid, _, _, _ in record_touch}) == 3 and "3 thread(s)" in how
+    assert int(t.count_nonzero()) == 0
+
+
+def test_first_touch_binding_refused(record_touch):
+    target = hostmem.NumaTarget(1, (1 << 20,), "NUMA node 1 (test)")  # a CPU no host has
+    t = torch.full((4096,), 1, dtype=torch.uint8)
+    node, how = hostmem.first_touch(t, target)
+    assert node is None and "binding failed in 1 of 1" in how and "OSError" in how
+    assert int(t.count_nonzero()) == 0  # touched anyway
+
+
+def test_first_touch_without_a_node_is_plain(record_touch):
+    t = torch.full((4096,), 1, dtype=torch.uint8)
+    node, how = hostmem.first_touch(t, hostmem.NumaTarget(None, (), "single NUMA node (0)"))
+    assert (node, how, record_touch) == (None, "single NUMA node (0)", [])
+    assert int(t.count_nonzero()) == 0
+
+
+# -- pin() ----------------------------------------------------------------------------------------------
+
+class FakeErr:
+    def __init__(self, value, name):
+        self.value, self.name = value, name
+
+
+class FakeCudart:
+    def __init__(self, register_result=0):
+        self.result = register_result
+        self.calls = []
+
+    def cudaHostRegister(self, ptr, n, flags):
+        self.calls.append(("register", ptr, n, flags, threading.get_ident(), FakeCuda.device.get(threading.get_ident())))
+        return self.result
+
+    def cudaHostUnregister(self, ptr):
+        self.calls.append(("unregister", ptr))
+        return FakeErr(0, "success")
+
+    def cudaGetErrorString(self, err):
+        return "out of memory"
+
+
+class FakeCuda:
+    device = {}
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch, tmp_path):
+    """torch.cuda as on a two-node GPU host; the GPU sits on node 1, whose CPU is one this process may use."""
+    FakeCuda.device = {}
+    cudart = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: FakeCuda.device.__setitem__(threading.get_ident(), d))
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    monkeypatch.setattr(hostmem, "gpu_pci_address", fake_pci)
+    two_nodes(tmp_path, cpus=("0-1000", str(one_cpu())))
+    return cudart
+
+
+def test_pin_registers_on_the_gpus_node(fake_cuda, tmp_path, record_touch, caplog):
+    caplog.set_level(logging.INFO, logger="bridge_fgo")
+    buf = hostmem.pin(3 * 2**20, root=str(tmp_path))
+    assert (buf.registered, buf.method, buf.numa_node) == (True, "cudaHostRegister", 1)
+    assert buf.tensor.dtype == torch.uint8 and buf.tensor.numel() == 3 * 2**20 and buf.tensor.device.type == "cpu"
+    assert record_touch[0][1] == frozenset({one_cpu()})
+    kind, ptr, n, flags, tid, dev = fake_cuda.calls[0]
+    assert (kind, ptr, n, flags, dev) == ("register", buf.tensor.data_ptr(), 3 * 2**20, 0, 2)
+    assert tid != threading.get_ident()  # registered from a throwaway thread, on the current device
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    buf.free()
+    assert fake_cuda.calls[-1] == ("unregister", ptr) and buf.tensor is None and not buf.registered
+    buf.free()  # idempotent
+    assert len(fake_cuda.calls) == 2
+
+
+def test_pin_numa_off_and_explicit_device(fake_cuda, tmp_path, record_touch):
+    buf = hostmem.pin(4096, device_index=5, numa=False, root=str(tmp_path))
+    assert buf.registered and buf.numa_node is None and "not requested" in buf.placement
+    assert record_touch == [] and fake_cuda.calls[0][-1] == 5
+
+
+def test_pin_single_node_host(fake_cuda, tmp_path, record_touch):
+    put(tmp_path, "sys/devices/system/node/online", "0\n")
+    buf = hostmem.pin(4096, root=str(tmp_path))
+    assert buf.registered and buf.numa_node is None and "single NUMA node" in buf.placement
+
+
+def test_pin_register_refused_falls_back_with_one_warning(fake_cuda, tmp_path, monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="bridge_fgo")
+    fake_cuda.result = FakeErr(2, "cudaErrorMemoryAllocation")
+    pinned, pageable = [], []
+    real_touch = hostmem.first_touch
+    monkeypatch.setattr(hostmem, "first_touch", lambda t, target: pageable.append(weakref.ref(t)) or real_touch(t, target))
+
+    def empty_pinned(n):
+        assert pageable[0]() is None, "the pageable buffer must be freed before pinning a second one"
+        pinned.append(n)
+        return torch.zeros(n, dtype=torch.uint8)
+    monkeypatch.setattr(hostmem, "_empty_pinned", empty_pinned)
+    n = 3 * GiB // 1024  # 3 MiB: rounds up to 4 MiB in PyTorch's pinned allocator
+    buf = hostmem.pin(n, root=str(tmp_path))
+    assert (buf.registered, buf.method, buf.numa_node, pinned) == (False, "pin_memory=True", None, [n])
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    msg = warnings[0]
+    for part in ("cudaHostRegister", "CUDA error 2 (cudaErrorMemoryAllocation: out of memory)",
+                 f"0.00 GiB ({n} bytes)", "RLIMIT_MEMLOCK soft", "container", "pin_memory=True",
+                 f"up to 0.00 GiB ({4 * 2**20} bytes) is pinned"):
+        assert part in msg, part
+    emptied = []
+    monkeypatch.setattr(torch._C, "_host_emptyCache", lambda: emptied.append(1), raising=False)
+    buf.free()
+    assert [c[0] for c in fake_cuda.calls] == ["register"]  # nothing to unregister
+    assert emptied == [1] and buf.tensor is None  # PyTorch's cached pinned block is given back
+
+
+def test_pin_both_refused_raises_with_the_numbers(fake_cuda, tmp_path, monkeypatch):
+    fake_cuda.result = FakeErr(2, "cudaErrorMemoryAllocation")
+    meminfo(tmp_path, 10 * GiB)
+
+    def refuse(n):
+        raise RuntimeError("CUDA error: out of memory")
+    monkeypatch.setattr(hostmem, "_empty_pinned", refuse)
+    with pytest.raises(BridgeFGOConfigError) as exc:
+        hostmem.pin(5 * 2**20, root=str(tmp_path))
+    msg = str(exc.value)
+    for part in (f"{5 * 2**20} bytes", "GPU 2", "CUDA error 2", "RuntimeError: CUDA error: out of memory",
+                 f"up to 0.01 GiB ({8 * 2**20} bytes)", "available now: 10.00 GiB", "MemAvailable",
+                 "ulimit -l", "more data-parallel ranks"):
+        assert part in msg, part
+
+
+def test_pin_without_cuda_is_plain_and_silent(caplog, record_touch):
+    if torch.cuda.is_available():
+        pytest.skip("this checks the CPU-only path")
+    caplog.set_level(logging.DEBUG, logger="bridge_fgo")
+    buf = hostmem.pin(1000)
+    assert (buf.registered, buf.numa_node, buf.tensor.numel(), buf.tensor.dtype) == (False, None, 1000, torch.uint8)
+    assert "CUDA unavailable" in buf.method and caplog.records == [] and record_touch == []
+    buf.free()
+    assert buf.tensor is None
+
+
+def test_import_does_not_import_torch():
+    code = "import sys, bridge_fgo.hostmem; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert out.stdout.strip() == "False"
+
+
+def test_bench_script_without_cuda_says_so():
+    if torch.cuda.is_available():
+        pytest.skip("this checks the CPU-only answer")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, os.path.join(root, "scripts", "bench_numa.py"), "--gib", "0.01"],
+                         capture_output=True, text=True)
+    assert out.returncode == 1 and '"error": "CUDA is not available"' in out.stdout
+
+
+def test_bench_script_reads_page_placement():
+    import importlib.util
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("bench_numa", os.path.join(root, "scripts", "bench_numa.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    t = torch.empty(16 * 2**20, dtype=torch.uint8)
+    t.zero_()
+    pages = bench.node_pages(t.data_ptr(), t.numel())
+    assert sum(pages.values()) > 0
+    assert set(pages) <= {str(n) for n in hostmem.numa_nodes()}
