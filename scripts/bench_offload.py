@@ -159,8 +159,12 @@ def run(args):
     if args.mode in ("flag", "auto"):
         # a plain attribute where Megatron-Core has no such field (then nothing reads it)
         opt.offload_optimizer_states = True
-        if args.chunk_mb is not None:  # Megatron-Core's chunked line (dev since 2026-08-18)
-            opt.optimizer_state_offload_chunk_size_mb = args.chunk_mb
+        if hasattr(opt, "chunked_optimizer_state_offload"):
+            # Megatron-Core's chunked line (dev since 2026-08-18): the alias is turned into this field
+            # only in __post_init__, which ran before the attribute above was set
+            opt.chunked_optimizer_state_offload = True
+            if args.chunk_mb is not None:
+                opt.optimizer_state_offload_chunk_size_mb = args.chunk_mb
     if args.mode in ("builtin", "auto"):
         # the per-optimizer figures, read before train() ends and unpatch would drop them
         inner_train = T.train_step
