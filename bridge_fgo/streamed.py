@@ -16,7 +16,9 @@ Where the data is:
 - during the update: each chunk of parameters is bound to views of a GPU slot; H2D of chunk N+1,
   the update of chunk N and the D2H of chunk N-1 overlap on three streams ordered by events, with
   two slots. A parameter is never split: a chunk holds whole parameters (a parameter larger than
-  chunk_mb is a chunk of its own, and the slots are sized for the largest chunk).
+  chunk_mb is a chunk of its own). The two slots are the two ends of one GPU arena sized for the
+  largest pair of consecutive chunks, not twice the largest chunk: even chunks sit at its start, odd
+  ones at its end, so a large parameter (an embedding) costs its own size once, not twice.
 
 The update of a chunk is the inner optimizer's own step() over the chunk's parameters (its param
 groups narrowed to them), followed by Megatron-Core's own _copy_main_params_to_model_params()
@@ -36,7 +38,6 @@ from .errors import BridgeFGOError
 from .log import rank_prefix
 
 MIB = 2**20
-SLOTS = 2
 _MISSING = object()
 
 
@@ -68,7 +69,7 @@ class Chunk:
 
 class _Slot:
     def __init__(self):
-        self.buffer = None
+        self.buffer = None  # this chunk's region of the arena
         self.h2d_done = self.updated = self.d2h_done = None
         self.used = False  # a D2H out of it was enqueued: the next H2D into it waits for d2h_done
 
@@ -109,7 +110,7 @@ def problems(cfg) -> List[str]:
 
 
 class StreamedEngine:
-    def __init__(self, dist_optimizer, chunk_bytes: int, slots: int = SLOTS):
+    def __init__(self, dist_optimizer, chunk_bytes: int):
         if chunk_bytes <= 0:
             raise ValueError(f"the streamed step needs a window of > 0 bytes, got {chunk_bytes}")
         self.opt = dist_optimizer
@@ -124,8 +125,9 @@ class StreamedEngine:
         self.skipped_shared = 0
         self.cuda = False
         self.device = None
-        self.slots = [_Slot() for _ in range(max(2, slots))]
-        self.slot_bytes = 0
+        self.slots = [_Slot(), _Slot()]
+        self.arena = None
+        self.arena_bytes = 0
         self.armed = False
         self._prefetched: Optional[int] = None  # chunk index whose H2D was started at reload()
         self._shadowed: List[tuple] = []
@@ -190,7 +192,8 @@ class StreamedEngine:
                 by_group.setdefault(group_of[id(p)], []).append(p)
             c.groups = sorted(by_group.items())
         self.entries, self.chunks = entries, chunks
-        self.slot_bytes = max((c.nbytes for c in chunks), default=0)
+        sizes = [c.nbytes for c in chunks]
+        self.arena_bytes = max([a + b for a, b in zip(sizes, sizes[1:])] or sizes or [0])
         params = [p for g in self.inner.param_groups for p in g["params"]]
         self.cuda = any(p.is_cuda for p in params)
         self.device = params[0].device if params else None
@@ -361,10 +364,13 @@ class StreamedEngine:
     def _slot_for(self, index: int) -> _Slot:
         import torch
 
-        slot = self.slots[index % len(self.slots)]
-        if slot.buffer is None:  # allocated on the compute stream, so the allocator can hand it back later
-            slot.buffer = torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device)
-            slot.used = False
+        if self.arena is None:  # allocated on the compute stream, so the allocator can hand it back later
+            self.arena = torch.empty(self.arena_bytes, dtype=torch.uint8, device=self.device)
+            for s in self.slots:
+                s.used = False
+        slot, n = self.slots[index % 2], self.chunks[index].nbytes
+        # even chunks at the arena's start, odd ones at its end: two consecutive chunks never overlap
+        slot.buffer = self.arena[:n] if index % 2 == 0 else self.arena[self.arena_bytes - n:]
         return slot
 
     def _h2d_chunk(self, index: int) -> None:
@@ -426,6 +432,7 @@ class StreamedEngine:
             self.steps_streamed += 1
         finally:
             self._prefetched = None
+            self._free_slots()  # the next optimizer of a chain gets the memory (once the copies are done)
         return None
 
     def _update(self, chunk: Chunk) -> None:
@@ -515,10 +522,11 @@ class StreamedEngine:
                     raise BridgeFGOError(f"{rank_prefix()}optimizer state {key!r} was not predicted; use chunk_mb=0")
 
     def _free_slots(self) -> None:
+        if self.arena is not None and self.cuda:  # reused only after the copies in flight read it
+            self.arena.record_stream(self._h2d)
+            self.arena.record_stream(self._d2h)
+        self.arena = None
         for s in self.slots:
-            if s.buffer is not None and self.cuda:
-                s.buffer.record_stream(self._h2d)
-                s.buffer.record_stream(self._d2h)
             s.buffer, s.used = None, False
 
     # -- hooks on the optimizer objects, only while armed -----------------------------------------
@@ -553,6 +561,6 @@ class StreamedEngine:
 
     @property
     def step_peak_bytes(self) -> int:
-        """What the update can add on the GPU: the slots (each sized for the largest chunk)."""
-        return len(self.slots) * self.slot_bytes
+        """What the update can add on the GPU: the arena (the largest pair of consecutive chunks)."""
+        return self.arena_bytes
 

@@ -60,7 +60,7 @@ def main():
             same = all(torch.equal(a, b) for a, b in zip(runs[0][0], runs[1][0]))
             engine = runs[1][1]
             row = {"foreach": foreach, "chunk_bytes": chunk, "chunks": len(engine.chunks),
-                   "slot_bytes": engine.slot_bytes, "bytes": engine.bytes, "bit_identical": same,
+                   "arena_bytes": engine.arena_bytes, "bytes": engine.bytes, "bit_identical": same,
                    "masters_on_host": engine.on_host()}
             engine.close()
             row["closed_back_on_device"] = all(p.device.type == args.device for p in engine.masters.values())

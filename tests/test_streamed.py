@@ -93,10 +93,12 @@ def test_window_bound_and_parameters_never_split():
     def record(optimizer, args, kwargs):
         ps = [p for g in optimizer.param_groups for p in g["params"]]
         seen.append([id(p) for p in ps])
-        # everything this update reads is in the slot, never in the host buffer or released storage
+        # everything this update reads that moves is inside the arena: the window, nothing else
+        lo = engine.arena.data_ptr()
         for p in ps:
-            for t in [p, *[v for v in optimizer.state.get(p, {}).values() if v.dim()]]:
-                assert not engine._same(t, engine.entries[0].host)
+            moved = [t for e in engine.entries if e.param is p for t in (engine._current(e),) if t is not None]
+            for t in moved:
+                assert lo <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size() <= lo + engine.arena_bytes
 
     opt.optimizer.register_step_pre_hook(record)
     for _ in range(3):
@@ -106,9 +108,11 @@ def test_window_bound_and_parameters_never_split():
         bundles.setdefault(id(e.param), 0)
         bundles[id(e.param)] += -(-e.nbytes // 512) * 512
     assert len(engine.chunks) > 1
-    assert engine.slot_bytes == max(c.nbytes for c in engine.chunks)
-    assert engine.slot_bytes <= max(2000, max(bundles.values()))
-    assert engine.step_peak_bytes == 2 * engine.slot_bytes
+    sizes = [c.nbytes for c in engine.chunks]
+    assert max(sizes) <= max(2000, max(bundles.values()))
+    # the arena holds the largest pair of consecutive chunks, less than two of the largest
+    assert engine.step_peak_bytes == engine.arena_bytes == max(a + b for a, b in zip(sizes, sizes[1:]))
+    assert engine.arena is None  # given back after the update
     per_step = len(engine.chunks)
     assert len(seen) == 3 * per_step
     for chunk, ids in zip(engine.chunks * 3, seen):
@@ -315,12 +319,13 @@ def test_train_step_window_bound_and_reporting(caplog_fgo):
     r.dist_optimizer.optimizer.register_step_pre_hook(record)
     harness.run_steps(r, steps=3)
     session, engine = engine_of()
-    largest = max(sizes)
-    assert len(sizes) == 3 * len(engine.chunks) and largest <= engine.slot_bytes  # one chunk at a time
+    assert len(sizes) == 3 * len(engine.chunks)  # one chunk at a time
+    assert max(a + b for a, b in zip(sizes, sizes[1:])) <= engine.arena_bytes
     assert "step" not in r.dist_optimizer.optimizer.__dict__  # hooks only while an update is armed
     (s,) = bridge_fgo.status().sessions
     assert s["chunk_mb"] == 1 and s["chunks"] == len(engine.chunks)
-    assert s["step_peak_bytes"] == 2 * engine.slot_bytes
+    chunk_sizes = [c.nbytes for c in engine.chunks]
+    assert s["step_peak_bytes"] == engine.arena_bytes == max(a + b for a, b in zip(chunk_sizes, chunk_sizes[1:]))
     steady = engine.bytes
     assert s["bytes"] == s["per_optimizer_bytes"][0] == steady
     masters = sum(4 * torch.Size(shape).numel() for shape in BIG)
@@ -328,7 +333,7 @@ def test_train_step_window_bound_and_reporting(caplog_fgo):
     line = next(m for m in caplog_fgo.messages if "offload active" in m)
     # the first step's line gives the steady figure: Adam's moments did not exist before step 1
     assert f"{steady} bytes offloaded per step" in line
-    assert f"window: 1 MB chunks, {len(engine.chunks)} chunk(s), the step adds at most {2 * engine.slot_bytes} bytes" in line
+    assert f"window: 1 MB chunks, {len(engine.chunks)} chunk(s), the step adds at most {engine.arena_bytes} bytes" in line
 
 
 def test_train_step_exception_in_backward_leaves_whole_host_states():
