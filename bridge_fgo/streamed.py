@@ -128,6 +128,7 @@ class StreamedEngine:
         self.slots = [_Slot(), _Slot()]
         self.arena = None
         self.arena_bytes = 0
+        self._planned: Optional[int] = None
         self.armed = False
         self._prefetched: Optional[int] = None  # chunk index whose H2D was started at reload()
         self._shadowed: List[tuple] = []
@@ -199,9 +200,14 @@ class StreamedEngine:
         self.device = params[0].device if params else None
         return offset
 
+    def plan_bytes(self) -> int:
+        """Plan what moves; the host bytes the buffer will need."""
+        self._planned = self.plan()
+        return self._planned
+
     def prepare(self) -> None:
-        """Before the first step: plan, then allocate and pin the host buffer once."""
-        nbytes = self.plan()
+        """Before the first step: allocate and pin the host buffer once, for the plan."""
+        nbytes = self._planned if self._planned is not None else self.plan_bytes()
         self.buffer = PinnedBuffer(nbytes, self.cuda)
         for e in self.entries:
             e.host = self.buffer.tensor[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape)

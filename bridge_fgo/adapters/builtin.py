@@ -30,7 +30,12 @@ class BuiltinAdapter(Adapter):
         self.engines = [StreamedEngine(o, chunk_mb * MIB) if chunk_mb else Engine(o) for o in dist_optimizers]
 
     def prepare(self) -> None:
+        from .. import hostmem
+
         t0 = time.perf_counter()
+        # every rank of the node pins its share: refused here, before any of it, if the node lacks it
+        fit = hostmem.check_fits(sum(e.plan_bytes() for e in self.engines))
+        logger.info("%s%s", rank_prefix(), fit.describe())
         for e in self.engines:
             e.prepare()
         logger.info("%sbuiltin engine ready before the first step: %d optimizer(s), %d bytes of %s host "
