@@ -84,6 +84,9 @@ def test_status_names_a_missing_target():
     out = flat(proc.stdout)
     assert f"target {HELPER} MISSING: not in megatron.bridge.training.train" in out
     assert "outcome not-patched (what patch() would do here)" in out
+    assert f"megatron-bridge {BRIDGE} " in out  # the version row
+    assert f"reason megatron-bridge {BRIDGE} has a training loop bridge_fgo does not recognise: " \
+           f"megatron.bridge.training.train.{HELPER} is missing" in out
     assert f"verdict offload will not run: nothing would be patched, because megatron.bridge.training.train.{HELPER} " \
            "is missing" in out
     assert "target train_step found" in out
