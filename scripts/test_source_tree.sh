@@ -5,10 +5,15 @@
 # and runs the whole suite there. Installing, not PYTHONPATH: the launcher and status tests start
 # fresh interpreters with a PYTHONPATH of their own, and the package metadata then names the tree's
 # version. Never run by CI (it cannot fetch the tree); nothing of the tree enters this checkout.
-# Usage: scripts/test_source_tree.sh /path/to/Megatron-Bridge [-- PYTEST_ARGS...]
+# Bridge main follows Megatron-LM main (its 3rdparty/Megatron-LM submodule, commit in .main.commit),
+# not a PyPI megatron-core: --mcore /path/to/Megatron-LM installs megatron-core from that tree too.
+# Usage: scripts/test_source_tree.sh [--mcore /path/to/Megatron-LM] /path/to/Megatron-Bridge [-- PYTEST_ARGS...]
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-tree=$(cd "${1:?usage: scripts/test_source_tree.sh /path/to/Megatron-Bridge [-- PYTEST_ARGS...]}" && pwd)
+usage="usage: scripts/test_source_tree.sh [--mcore /path/to/Megatron-LM] /path/to/Megatron-Bridge [-- PYTEST_ARGS...]"
+mcore_tree=
+if [ "${1:-}" = "--mcore" ]; then mcore_tree=$(cd "${2:?$usage}" && pwd); shift 2; fi
+tree=$(cd "${1:?$usage}" && pwd)
 shift
 [ "${1:-}" = "--" ] && shift
 source "$root/scripts/releases.sh"
@@ -20,9 +25,17 @@ wheels=$(mktemp -d)
 # which would download torch again.
 "$venv/bin/python" -m pip --disable-pip-version-check -q wheel --no-deps --no-build-isolation -w "$wheels" "$tree"
 "$venv/bin/python" -m pip --disable-pip-version-check -q install --no-deps --force-reinstall "$wheels"/megatron_bridge-*.whl
+if [ -n "$mcore_tree" ]; then
+  # Megatron-Core's build needs only setuptools/pybind11 (its C++ dataset helper is optional): isolated.
+  "$venv/bin/python" -m pip --disable-pip-version-check -q wheel --no-deps -w "$wheels" "$mcore_tree"
+  "$venv/bin/python" -m pip --disable-pip-version-check -q install --no-deps --force-reinstall "$wheels"/megatron_core-*.whl
+else  # the release line's megatron-core, in case an earlier run replaced it
+  "$venv/bin/python" -m pip --disable-pip-version-check -q install --no-deps --force-reinstall "megatron-core==$REL_MCORE"
+fi
 rm -rf "$wheels"
 commit=$(git -C "$tree" rev-parse --short HEAD 2>/dev/null || echo "not a git checkout")
-echo "== megatron-bridge $("$venv/bin/python" -c 'import importlib.metadata as m; print(m.version("megatron-bridge"))') from $tree ($commit), megatron-core $REL_MCORE" >&2
+versions=$("$venv/bin/python" -c 'import importlib.metadata as m; print(m.version("megatron-bridge"), m.version("megatron-core"))')
+echo "== megatron-bridge ${versions% *} from $tree ($commit), megatron-core ${versions#* }${mcore_tree:+ from $mcore_tree}" >&2
 cd "$root"
 rc=0
 "$venv/bin/python" -m pytest "$@" || rc=$?
