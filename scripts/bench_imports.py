@@ -1,6 +1,6 @@
 """Import Megatron-Bridge on a GPU box that lacks Transformer Engine, megatron-energon and PuLP.
 
-Transformer Engine: tests/support/te_free.py (one Bridge module's import neutralised).
+Transformer Engine: tests/support/te_free.py (the unguarded TE import of the Bridge modules that have one neutralised).
 megatron.energon and pulp are imported at module level by code pretraining never runs (energon data
 modules; modelopt's architecture search): an inert placeholder module stands in, only when absent.
 """

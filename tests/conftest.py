@@ -1,8 +1,11 @@
-"""Tests run against the real megatron-bridge 0.6.2 / megatron-core 0.19.2 on CPU.
+"""Tests run against the real, installed megatron-bridge / megatron-core on CPU: 0.6.2 / 0.19.2 in
+`.venv`, and each release of requirements/releases.conf in its own environment
+(scripts/test_releases.sh). Tests name versions through BRIDGE / MCORE below, never as literals.
 
 Transformer Engine cannot be installed here; the one Bridge module that imports it at module level
 is loaded with that import neutralised (tests/support/te_free.py), nothing else is faked.
 """
+import importlib.metadata
 import logging
 import os
 import subprocess
@@ -16,6 +19,8 @@ te_free.install()
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(ROOT, "tests", "scripts")
+BRIDGE = importlib.metadata.version("megatron-bridge")  # what messages must name, e.g. "0.6.2"
+MCORE = importlib.metadata.version("megatron-core")
 
 
 def pythonpath(*entries):

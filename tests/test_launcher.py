@@ -8,7 +8,7 @@ import pytest
 
 from bridge_fgo import launcher
 from bridge_fgo.bootstrap import DIRECTORY as BOOTSTRAP
-from conftest import ROOT, SCRIPTS, pythonpath
+from conftest import BRIDGE, ROOT, SCRIPTS, pythonpath
 
 BIN = os.path.dirname(sys.executable)
 RUN = os.path.join(BIN, "bridge-fgo-run")
@@ -122,7 +122,7 @@ def test_torchrun_two_workers_each_patched():
     assert len({w["pid"] for w in workers}) == 2
     # one INFO line per worker process, naming its rank, through the handler the bootstrap attached
     for rank in (0, 1):
-        assert proc.stderr.count(f"bridge_fgo INFO: [rank {rank}] patched megatron-bridge 0.6.2") == 1, \
+        assert proc.stderr.count(f"bridge_fgo INFO: [rank {rank}] patched megatron-bridge {BRIDGE} ") == 1, \
             proc.stderr[-5000:]
 
 

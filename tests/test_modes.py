@@ -5,6 +5,7 @@ import pytest
 
 import bridge_fgo
 from bridge_fgo import BridgeFGOConfigError, BridgeFGOError, BridgeFGOOptionError
+from conftest import BRIDGE, MCORE
 from support import harness
 
 CALLS = ("offload", "release", "reload")
@@ -19,13 +20,13 @@ def warnings_of(caplog):
 
 
 def test_no_fgo_megatron_core_warns_once(caplog_fgo):
-    # the real megatron-core 0.19.2: no offload methods anywhere
+    # the real, released megatron-core: no offload methods anywhere
     bridge_fgo.patch()
     rig = flagged()
     harness.run_steps(rig, steps=3)
     harness.run_steps(flagged(), steps=1)  # a second run in the process: still one warning
     (msg,) = warnings_of(caplog_fgo)
-    assert "megatron-core 0.19.2 has no optimizer-state offload" in msg
+    assert f"megatron-core {MCORE} has no optimizer-state offload" in msg
     assert "offload='builtin'" in msg and "BRIDGE_FGO_OFFLOAD=builtin" in msg
     assert not any(c in rig.events for c in CALLS)
 
@@ -74,7 +75,7 @@ def test_unrecognised_layout_patches_nothing(monkeypatch, train_module, caplog_f
     assert not report.patched and report.outcome == "not-patched"
     assert (train_module.train, train_module.train_step) == before
     (msg,) = warnings_of(caplog_fgo)
-    assert "megatron-bridge 0.6.2" in msg and "_handle_mxfp8_param_buffer_copy is missing" in msg
+    assert f"megatron-bridge {BRIDGE} " in msg and "_handle_mxfp8_param_buffer_copy is missing" in msg
     bridge_fgo.unpatch()
     with pytest.raises(BridgeFGOError, match="_handle_mxfp8_param_buffer_copy is missing"):
         bridge_fgo.patch(strict=True)
@@ -172,6 +173,6 @@ def test_megatron_core_version_names_a_shadowing_source_tree(monkeypatch):
 
     from bridge_fgo import generations
 
-    assert generations.megatron_core_version() == "0.19.2"  # the wheel's 0.19.2+<build> is the same release
-    monkeypatch.setattr(megatron.core, "__version__", "0.19.0")  # a dev-line source tree on PYTHONPATH
-    assert generations.megatron_core_version().startswith("0.19.0 (loaded from ")
+    assert generations.megatron_core_version() == MCORE  # the wheel's X.Y.Z+<build> is the same release
+    monkeypatch.setattr(megatron.core, "__version__", "0.99.0")  # another source tree on PYTHONPATH
+    assert generations.megatron_core_version().startswith("0.99.0 (loaded from ")

@@ -17,7 +17,7 @@ from bridge_fgo.adapters import chunked
 from bridge_fgo.errors import BridgeFGOError
 from bridge_fgo.options import Options
 from support import harness
-from conftest import ROOT, pythonpath
+from conftest import BRIDGE, MCORE, ROOT, pythonpath
 
 BIN = os.path.dirname(sys.executable)
 USERDIR = os.path.join(ROOT, "tests", "userdir")
@@ -48,7 +48,7 @@ def test_status_json_real_environment():
     assert proc.returncode == 1, proc.stderr[-3000:]  # auto on megatron-core without offload: will not run
     r = json.loads(proc.stdout)  # all of stdout: Bridge's import-time prints went to stderr
     v = r["versions"]
-    assert v["megatron-core"] == "0.19.2" and v["megatron-bridge"] == "0.6.2"
+    assert v["megatron-core"] == MCORE and v["megatron-bridge"] == BRIDGE
     assert v["torch"] == importlib.metadata.version("torch") and v["wrapt"] == importlib.metadata.version("wrapt")
     assert v["python"] == platform.python_version() and v["bridge-fgo"] == bridge_fgo.__version__
     assert r["generation"] == "none"
@@ -61,7 +61,7 @@ def test_status_json_real_environment():
     assert (r["mode"], r["strict"], r["predicted"], r["patched"], r["outcome"]) == ("auto", False, True, False,
                                                                                       "patched")
     assert r["offload_ready"] is False
-    assert "megatron-core 0.19.2 has no optimizer-state offload" in r["verdict"]
+    assert f"megatron-core {MCORE} has no optimizer-state offload" in r["verdict"]
     assert "bridge-fgo-run --offload builtin" in r["verdict"] and "BRIDGE_FGO_OFFLOAD=builtin" in r["verdict"]
     assert os.path.realpath(r["executable"]) == os.path.realpath(sys.executable)
 
@@ -83,6 +83,9 @@ def test_status_names_a_missing_target():
     out = flat(proc.stdout)
     assert f"target {HELPER} MISSING: not in megatron.bridge.training.train" in out
     assert "outcome not-patched (what patch() would do here)" in out
+    assert f"megatron-bridge {BRIDGE} " in out  # the version row
+    assert f"reason megatron-bridge {BRIDGE} has a training loop bridge_fgo does not recognise: " \
+           f"megatron.bridge.training.train.{HELPER} is missing" in out
     assert f"verdict offload will not run: nothing would be patched, because megatron.bridge.training.train.{HELPER} " \
            "is missing" in out
     assert "target train_step found" in out
@@ -95,7 +98,7 @@ def test_status_bridge_not_importable():
     assert r["targets"] == {} and r["offload_ready"] is False and r["outcome"] == "not-patched"
     assert "megatron.bridge.training.train cannot be imported (ModuleNotFoundError: No module named " \
            "'megatron.bridge" in r["reason"]
-    assert r["verdict"].startswith("offload will not run: megatron-bridge 0.6.2 is installed but")
+    assert r["verdict"].startswith(f"offload will not run: megatron-bridge {BRIDGE} is installed but")
     assert r["generation"] == "none"  # Megatron-Core itself is still there
 
 
@@ -119,7 +122,7 @@ def test_bad_options_exit_2():
 def test_verdict_auto_on_this_megatron_core(train_module):
     report = diagnose_mod.diagnose(Options())
     assert report.offload_ready is False and diagnose_mod.exit_code(report) == 1
-    assert report.verdict.startswith("offload will not run in mode auto: megatron-core 0.19.2")
+    assert report.verdict.startswith(f"offload will not run in mode auto: megatron-core {MCORE} ")
     text = flat(str(report))
     assert "megatron-core offload none: this Megatron-Core has no optimizer-state offload" in text
     assert "bridge wires offload itself no" in text and "target train found" in text

@@ -7,17 +7,34 @@ subclass instance of Megatron-Core's class (its constructor, which needs a GPU m
 and the param-buffer copy goes through Bridge's real _handle_mxfp8_param_buffer_copy.
 
 Every stand-in appends what it does to `events`, so the call order can be read back.
+
+Releases differ in what train_step takes and calls; the rig reads that from the real function, never
+from a version string: its arguments are built from `inspect.signature(train_step)` (0.3.x has no
+`p2p_communicator`), and the single-rank stand-ins below replace only the module-level collectives
+its code names (0.3.x builds its own P2PCommunicator and calls the model-parallel reductions
+unconditionally; later releases guard them with cfg.train flags this rig turns off).
 """
 from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import types
 from typing import Callable, List, Optional
 from unittest import mock
 
 TRAIN_MODULE = "megatron.bridge.training.train"
-PG_COLLECTION = types.SimpleNamespace(name="pg_collection")
+# One process: no groups. The attributes exist because some releases read them unconditionally.
+PG_COLLECTION = types.SimpleNamespace(name="pg_collection", pp=None, mp=None, dp_cp=None)
+
+# Collectives (and the P2P communicator) as one rank sees them; applied only where the real
+# train_step's code names them (inspect.unwrap(train_step).__code__.co_names).
+SINGLE_RANK = {
+    "logical_and_across_model_parallel_group": lambda value, mp_group=None: value,
+    "reduce_max_stat_across_model_parallel_group": lambda stat, mp_group=None: stat,
+    "is_pp_last_stage": lambda pp_group=None: False,  # skips the loss all-reduce, as the p2p stand-in does
+    "P2PCommunicator": lambda pp_group=None, config=None: types.SimpleNamespace(is_pp_last_stage=False),
+}
 
 
 class Recorder(list):
@@ -225,9 +242,24 @@ class Rig:
         self.forward_backward_func = forward_backward_func(self.events, fail)
         self.p2p = types.SimpleNamespace(is_pp_last_stage=False)  # skips the loss all-reduce
 
+    def kwargs(self):
+        """train_step's arguments by name, for the parameters the installed release's train_step has."""
+        import megatron.bridge.training.train as train_module
+
+        values = {"forward_step_func": lambda *a, **k: None, "data_iterator": iter(()), "model": self.model,
+                  "optimizer": self.optimizer, "scheduler": self.scheduler, "global_state": self.global_state,
+                  "pg_collection": PG_COLLECTION, "forward_backward_func": self.forward_backward_func,
+                  "p2p_communicator": self.p2p}
+        out = {}
+        for name, param in inspect.signature(train_module.train_step).parameters.items():
+            if name in values:
+                out[name] = values[name]
+            elif param.default is inspect.Parameter.empty:  # a release with an argument the rig lacks
+                raise TypeError(f"the rig has no value for train_step's parameter {name!r}")
+        return out
+
     def args(self):
-        return (lambda *a, **k: None, iter(()), self.model, self.optimizer, self.scheduler, self.global_state,
-                PG_COLLECTION, self.forward_backward_func, self.p2p)
+        return tuple(self.kwargs().values())
 
 
 @contextlib.contextmanager
@@ -249,8 +281,13 @@ def cpu_train_module(reruns: int = 1, checkpoint_and_exit=(False, False, 0)):
     def reset(n: int = 1):
         state["left"] = n
 
-    with mock.patch.object(train_module, "get_num_microbatches", lambda: 1), \
-            mock.patch.object(train_module, "get_rerun_state_machine", lambda: machine):
+    names = inspect.unwrap(train_module.train_step).__code__.co_names
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(train_module, "get_num_microbatches", lambda: 1))
+        stack.enter_context(mock.patch.object(train_module, "get_rerun_state_machine", lambda: machine))
+        for name, stand_in in SINGLE_RANK.items():
+            if name in names and name in vars(train_module):
+                stack.enter_context(mock.patch.object(train_module, name, stand_in))
         yield reset
 
 
