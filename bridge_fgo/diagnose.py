@@ -76,6 +76,17 @@ def _mode_verdict(opts: Options, generation: Optional[Generation], mcore: str) -
     return True, text
 
 
+def host_memory_line() -> str:
+    """What the builtin engine may pin here. Its own need (the optimizer states' bytes per rank) is
+    known only once the model exists: the engine checks it before pinning and logs it per rank."""
+    from . import hostmem
+
+    mem, ranks = hostmem.host_memory(), hostmem.local_ranks()
+    available = f"{hostmem.fmt_bytes(mem.bytes)} available ({mem.source})" if mem else "available memory unknown"
+    return (f"{available} for {ranks.count} local rank(s) ({ranks.source}); each rank pins about 12 bytes per "
+            "parameter of its data-parallel shard (checked and logged before the first step)")
+
+
 def diagnose(options: Optional[Options] = None) -> rpt.Report:
     """The status report for this environment, with its verdict. Imports Megatron-Bridge's target
     modules; raises BridgeFGOOptionError for a bad BRIDGE_FGO_* value when `options` is not given."""
@@ -87,6 +98,7 @@ def diagnose(options: Optional[Options] = None) -> rpt.Report:
         patched=False, outcome=rpt.NOT_PATCHED, mode=opts.offload, strict=opts.strict, chunk_mb=opts.chunk_mb,
         generation=generation.name if generation else None, versions=versions, predicted=True,
         offload_ready=False, executable=sys.executable, generation_meaning=_mcore_meaning(generation, mcore),
+        host_memory=host_memory_line(),
     )
     modules = {}
     for name in targets.MODULES:

@@ -24,6 +24,7 @@ class Report:
     generation: Optional[str]
     versions: Dict[str, Optional[str]]
     chunk_mb: Optional[int] = None  # the builtin engine's window (options.DEFAULT_CHUNK_MB unless set)
+    host_memory: Optional[str] = None  # what the builtin engine may pin on this node (diagnose only)
     targets: Dict[str, bool] = dataclasses.field(default_factory=dict)
     aliases: List[str] = dataclasses.field(default_factory=list)
     native_wiring: List[str] = dataclasses.field(default_factory=list)
@@ -53,6 +54,8 @@ class Report:
                 ("strict", "yes" if self.strict else "no")]
         if self.chunk_mb is not None:
             rows.append(("builtin engine window", f"{self.chunk_mb} MB" if self.chunk_mb else "0 (one window)"))
+        if self.host_memory:
+            rows.append(("host memory", self.host_memory))
         if self.executable:
             rows.append(("python executable", self.executable))
         rows += [(name, v or "not installed") for name, v in self.versions.items()]

@@ -317,6 +317,8 @@ class StreamedEngine:
         self._unshadow()
         self.armed = False
         self._prefetched = None
+        if self.buffer is None:  # never prepared (refused before pinning) or already closed: nothing moved
+            return
         if self.cuda:  # the D2H tail (the last chunk) ends before any reader can look at the host copy
             self._d2h.synchronize()
         for e in self.entries:
@@ -333,6 +335,9 @@ class StreamedEngine:
         import torch
 
         self.settle()
+        if self.buffer is None:
+            self.entries, self.chunks = [], []
+            return
         for e in self.entries:
             t = self._current(e)
             if t is None:

@@ -532,3 +532,32 @@ def test_bench_script_reads_page_placement():
     pages = bench.node_pages(t.data_ptr(), t.numel())
     assert sum(pages.values()) > 0
     assert set(pages) <= {str(n) for n in hostmem.numa_nodes()}
+
+
+def test_status_shows_the_host_memory_the_engine_may_pin(monkeypatch):
+    from bridge_fgo import diagnose
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    line = diagnose.host_memory_line()
+    assert "for 8 local rank(s) (LOCAL_WORLD_SIZE=8)" in line and "bytes)" in line  # GiB and exact bytes
+
+
+@pytest.mark.parametrize("chunk_mb", [0, 1])
+def test_refused_through_the_real_train_step_before_anything_is_pinned(monkeypatch, chunk_mb):
+    """The builtin engine checks the node's memory for all its local ranks before its first pin:
+    a run that would not fit stops before the first step, naming its numbers."""
+    import bridge_fgo
+    from support import harness
+
+    available = hostmem.HostMemory(2**30, "MemAvailable", "MemAvailable 1.00 GiB (faked)", 2**30, None)
+    monkeypatch.setattr(hostmem, "host_memory", lambda root=None: available)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    pinned = []
+    monkeypatch.setattr(hostmem, "pin", lambda *a, **k: pinned.append(a))
+    bridge_fgo.patch(offload="builtin", chunk_mb=chunk_mb)
+    rig = harness.Rig(cfg=harness.config_container(mxfp8_copy=False), with_tensors=True)
+    with pytest.raises(bridge_fgo.BridgeFGOConfigError) as err:
+        harness.run_steps(rig, steps=1)
+    msg = str(err.value)
+    assert "per rank x 8 local rank(s) (LOCAL_WORLD_SIZE=8)" in msg and "1.00 GiB (1073741824 bytes) is available" in msg
+    assert "Fix:" in msg and rig.events == [] and pinned == []
