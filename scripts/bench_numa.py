@@ -30,24 +30,26 @@ def node_pages(ptr: int, nbytes: int) -> dict:
     """{node: pages} of the mappings overlapping [ptr, ptr+nbytes), from /proc/self/numa_maps. The kernel
     may have merged neighbouring anonymous memory into the same mapping, so the total can exceed the
     buffer; the split between nodes is what matters."""
-    ranges = {}
     try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
-                ranges[lo] = hi
         out = {}
-        with open("/proc/self/numa_maps") as f:
-            for line in f:
-                fields = line.split()
-                lo = int(fields[0], 16)
-                hi = ranges.get(lo)
-                if hi is None or hi <= ptr or lo >= ptr + nbytes:
-                    continue
-                for fld in fields[1:]:
-                    if fld.startswith("N") and "=" in fld:
-                        node, pages = fld[1:].split("=")
-                        out[node] = out.get(node, 0) + int(pages)
+        # the two files are read one after the other; another thread's mmap in between can move a
+        # mapping boundary, so read again when nothing matched
+        for _ in range(5):
+            with open("/proc/self/maps") as f:
+                ranges = {int(lo, 16): int(hi, 16) for lo, hi in (line.split()[0].split("-") for line in f)}
+            with open("/proc/self/numa_maps") as f:
+                for line in f:
+                    fields = line.split()
+                    lo = int(fields[0], 16)
+                    hi = ranges.get(lo)
+                    if hi is None or hi <= ptr or lo >= ptr + nbytes:
+                        continue
+                    for fld in fields[1:]:
+                        if fld.startswith("N") and "=" in fld:
+                            node, pages = fld[1:].split("=")
+                            out[node] = out.get(node, 0) + int(pages)
+            if out:
+                break
         return out
     except OSError as exc:
         return {"error": f"{type(exc).__name__}: {exc}"}
