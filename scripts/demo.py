@@ -4,8 +4,9 @@
 Stand-ins replace only what needs a GPU or a cluster (tests/support/harness.py). Shows:
 1. offload=auto with cfg.optimizer.offload_optimizer_states=True on a Megatron-Core without
    offload (every release): one warning, nothing moved;
-2. offload=builtin: bridge_fgo's engine moves the optimizer's fp32 master weights and Adam moments
-   each step; the calls in order, the report, and final parameters identical to an unpatched run.
+2. offload=builtin: bridge_fgo's engine keeps the optimizer's fp32 master weights and Adam moments
+   in host memory between steps and streams them through the update chunk by chunk; the calls in
+   order, the report, and final parameters identical to an unpatched run.
 """
 import logging
 import os
@@ -23,7 +24,7 @@ te_free.install()  # this machine has no Transformer Engine
 import bridge_fgo  # noqa: E402
 from bridge_fgo.cli import third_party_output  # noqa: E402
 
-ENGINE_CALLS = ("offload", "release", "reload", "wait_reload")
+ENGINE_CALLS = ("offload", "release", "reload", "settle")
 
 
 def say(text=""):
@@ -52,13 +53,19 @@ say(f"calls, step 1: {rig.events[: len(rig.events) // 2]}")
 bridge_fgo.unpatch()
 
 say("\n== 2. offload=builtin: bridge_fgo's own engine, no config flag needed")
-baseline = harness.Rig(with_tensors=True)
+BIG = ((512, 1024), (600, 600), (1000,), (300, 700))  # 1-7 MB per parameter with its two moments
+cfg = harness.config_container(mxfp8_copy=False)
+baseline = harness.Rig(cfg=cfg, with_tensors=True, shapes=BIG)
 harness.run_steps(baseline, steps=3)  # the same training, unpatched, to compare with
-report = bridge_fgo.patch(offload="builtin")
-say(f"patch(offload='builtin'): {report.outcome}, mode {report.mode}")
-say("Expected: engine.offload before the param-buffer copy, engine.release after it, engine.reload")
-say("at gradient finalization, and the wait for it before the optimizer step.")
-rig = harness.Rig(with_tensors=True)
+report = bridge_fgo.patch(offload="builtin", chunk_mb=1)  # the default is 256 MB; 1 MB shows chunks here
+say(f"patch(offload='builtin', chunk_mb=1): {report.outcome}, mode {report.mode}")
+say("Expected: engine.offload and engine.release before forward-backward (step 1 moves the masters")
+say("to pinned host memory; from then on they and the Adam moments live there between steps),")
+say("engine.reload at gradient finalization (the first chunk's copy to the GPU starts), then inside")
+say("the optimizer step one update per chunk of parameters, and engine.settle as train_step returns.")
+rig = harness.Rig(cfg=cfg, with_tensors=True, shapes=BIG)
+rig.dist_optimizer.optimizer.register_step_pre_hook(
+    lambda opt, args, kwargs: rig.events.add(f"update({sum(len(g['params']) for g in opt.param_groups)} param)"))
 from bridge_fgo.adapters.builtin import BuiltinAdapter  # noqa: E402
 
 
