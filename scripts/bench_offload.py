@@ -130,8 +130,9 @@ def run(args):
                gradient_accumulation_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
                cross_entropy_loss_fusion=False)
     model = GPTModelProvider(
-        transformer_layer_spec=local_layer_spec, transformer_impl="local", num_layers=16, hidden_size=2048,
-        ffn_hidden_size=5632, num_attention_heads=16, num_query_groups=8, seq_length=1024, normalization="RMSNorm",
+        transformer_layer_spec=local_layer_spec, transformer_impl="local", num_layers=args.layers,
+        hidden_size=args.hidden, ffn_hidden_size=args.ffn, num_attention_heads=args.heads, num_query_groups=args.groups,
+        seq_length=1024, normalization="RMSNorm",
         gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False,
         position_embedding_type="rope", share_embeddings_and_output_weights=False, make_vocab_size_divisible_by=128,
         bf16=True, params_dtype=torch.bfloat16, attention_dropout=0.0, hidden_dropout=0.0,
@@ -152,7 +153,9 @@ def run(args):
                                        skip_getting_attention_mask_from_dataset=True),
         logger=C.LoggerConfig(log_interval=1, tensorboard_dir=None),
         tokenizer=C.TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=32000),
-        checkpoint=C.CheckpointConfig(save=None, load=None, save_interval=None),
+        # --save: one synchronous torch_dist checkpoint at the last iteration (scripts/check_checkpoint.py)
+        checkpoint=C.CheckpointConfig(save=args.save, load=None, save_interval=args.iters if args.save else None,
+                                      ckpt_format="torch_dist", async_save=False, save_optim=True),
         rng=C.RNGConfig(seed=1234), mixed_precision="bf16_mixed",
     )
     report_holder = {}
@@ -378,6 +381,12 @@ def main():
     r.add_argument("--iters", type=int, default=10)
     r.add_argument("--chunk-mb", type=int, help="builtin: bridge_fgo's window; auto: Megatron-Core's chunk size")
     r.add_argument("--recompute", action="store_true", help="full activation recomputation")
+    r.add_argument("--save", help="save a torch_dist checkpoint here at the last iteration")
+    r.add_argument("--layers", type=int, default=16)
+    r.add_argument("--hidden", type=int, default=2048)
+    r.add_argument("--ffn", type=int, default=5632)
+    r.add_argument("--heads", type=int, default=16)
+    r.add_argument("--groups", type=int, default=8)
     r.add_argument("--out")
     a = sub.add_parser("all")
     a.add_argument("--out-dir", required=True)
