@@ -401,10 +401,9 @@ class StreamedEngine:
 
     def _inner_step(self, *args, **kwargs):
         """The inner optimizer's step(), chunk by chunk through the slots."""
-        if not self.armed or args or kwargs:  # a closure: cannot be split; never armed that way
-            if args or kwargs:
-                raise BridgeFGOError("the streamed step cannot run an optimizer step with a closure; "
-                                     "use chunk_mb=0")
+        if args or kwargs:  # Megatron-Core calls step() bare; a closure would re-run the model per chunk
+            raise BridgeFGOError("the streamed step cannot run an optimizer step with a closure; use chunk_mb=0")
+        if not self.armed:
             return type(self.inner).step(self.inner)
         import torch
 
@@ -469,44 +468,25 @@ class StreamedEngine:
 
     def _copy_masters(self, masters) -> None:
         """Megatron-Core's own copy of masters into the model parameters, narrowed to these masters."""
-        opt = self.opt
-        names = ("shard_fp32_from_float16_groups", "model_float16_groups", "shard_fp32_groups", "model_fp32_groups")
-        saved = {n: opt.__dict__.get(n, _MISSING) for n in names}
-        n_groups = len(saved["model_float16_groups"])
+        n_groups = len(self.opt.model_float16_groups)
         mains, models = [[] for _ in range(n_groups)], [[] for _ in range(n_groups)]
         for m in masters:
             gi, model_param = self.model_of[id(m)]
             mains[gi].append(m)
             models[gi].append(model_param)
-        try:
-            opt.shard_fp32_from_float16_groups, opt.model_float16_groups = mains, models
-            opt.shard_fp32_groups, opt.model_fp32_groups = [], []
-            type(opt)._copy_main_params_to_model_params(opt)
-        finally:
-            for n, v in saved.items():
-                if v is _MISSING:
-                    opt.__dict__.pop(n, None)
-                else:
-                    setattr(opt, n, v)
+        with _narrowed(self.opt, shard_fp32_from_float16_groups=mains, model_float16_groups=models,
+                       shard_fp32_groups=[], model_fp32_groups=[]):
+            type(self.opt)._copy_main_params_to_model_params(self.opt)
         self._copied_masters = True
 
     def _copy_rest(self, *args, **kwargs):
         """Megatron-Core's call after the inner step: the bf16/fp16 masters were copied chunk by
         chunk while on the GPU; the fp32 parameters (their own masters) are copied here."""
-        opt = self.opt
+        copy = type(self.opt)._copy_main_params_to_model_params
         if not self._copied_masters:
-            return type(opt)._copy_main_params_to_model_params(opt, *args, **kwargs)
-        saved = (opt.__dict__.get("shard_fp32_from_float16_groups", _MISSING),
-                 opt.__dict__.get("model_float16_groups", _MISSING))
-        try:
-            opt.shard_fp32_from_float16_groups, opt.model_float16_groups = [], []
-            return type(opt)._copy_main_params_to_model_params(opt, *args, **kwargs)
-        finally:
-            for n, v in zip(("shard_fp32_from_float16_groups", "model_float16_groups"), saved):
-                if v is _MISSING:
-                    opt.__dict__.pop(n, None)
-                else:
-                    setattr(opt, n, v)
+            return copy(self.opt, *args, **kwargs)
+        with _narrowed(self.opt, shard_fp32_from_float16_groups=[], model_float16_groups=[]):
+            return copy(self.opt, *args, **kwargs)
 
     def _d2h_chunk(self, chunk: Chunk, slot: _Slot) -> None:
         import torch
@@ -575,3 +555,19 @@ class StreamedEngine:
         """What the update can add on the GPU: the arena (the largest pair of consecutive chunks)."""
         return self.arena_bytes
 
+
+@contextlib.contextmanager
+def _narrowed(obj, **attrs):
+    """Set instance attributes for the duration of a call to Megatron-Core's own method, then put
+    back exactly what was there."""
+    saved = {name: obj.__dict__.get(name, _MISSING) for name in attrs}
+    try:
+        for name, value in attrs.items():
+            setattr(obj, name, value)
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is _MISSING:
+                obj.__dict__.pop(name, None)
+            else:
+                setattr(obj, name, value)
