@@ -105,9 +105,9 @@ def make_distributed_optimizer(events: Recorder, with_tensors: bool = False, see
                     "gbuf_world": Range(begin, end), "gbuf_local": Range(begin, end)}
 
         opt.buffers = [ns(param_data=param_buffer, grad_data=torch.zeros(sum(sizes), device=device),
-                          buckets=[ns(param_data=param_buffer)]),
+                          buckets=[ns(param_data=param_buffer)], params=list(model16)),
                        ns(param_data=fp32_buffer, grad_data=torch.zeros(16, device=device),
-                          buckets=[ns(param_data=fp32_buffer)])]
+                          buckets=[ns(param_data=fp32_buffer)], params=[fp32_model])]
         opt.model_param_gbuf_map = {**{p: (0, torch.bfloat16, 0) for p in model16}, fp32_model: (1, torch.float32, 0)}
         param_map, start = {}, 0
         for p, n in zip(model16, sizes):
@@ -126,6 +126,7 @@ def make_distributed_optimizer(events: Recorder, with_tensors: bool = False, see
         opt.ddp_config = ns(overlap_param_gather=True, use_megatron_fsdp=False, fp8_param_gather=False,
                             fp4_param_gather=False)
         opt.is_stub_optimizer = False
+        opt.data_parallel_group = None  # megatron-core 0.16 passes it to its fp8 cast, a no-op without fp8 params
         opt._gen = 0
         opt.optimizer.register_step_pre_hook(_no_released_storage)
     return opt
