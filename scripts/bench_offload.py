@@ -102,6 +102,7 @@ def run(args):
         r["finalize_step_peak_gib"] = torch.cuda.max_memory_allocated() / GIB
         r["iter_peak_gib"] = max(r.get("pre_fwdbwd_peak_gib", 0), r.get("fwdbwd_peak_gib", 0), r["finalize_step_peak_gib"])
         r["loss"] = float(out[0]["lm loss"]) if out[0] else None
+        r["skipped"] = bool(out[1])  # train_step returns (loss_dict, skipped_iter, ...)
         stats1 = torch.cuda.memory_stats()
         # allocator events in this step: device mallocs/frees and whole-device synchronisations (which
         # would wait for bridge_fgo's copy streams too)
@@ -117,7 +118,10 @@ def run(args):
 
         initialize.compile_helpers = lambda: None  # the wheel has no Makefile for `make`
 
-    opt = C.OptimizerConfig(optimizer="adam", lr=3e-4, min_lr=3e-5, weight_decay=0.1, bf16=True, fp16=False,
+    # --fp16: dynamic loss scaling from 2**24, so the first steps overflow and are skipped
+    fp16 = dict(initial_loss_scale=2**24) if args.fp16 else {}
+    opt = C.OptimizerConfig(optimizer="adam", lr=3e-4, min_lr=3e-5, weight_decay=0.1, bf16=not args.fp16,
+                            fp16=args.fp16, **fp16,
                             adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, use_distributed_optimizer=True,
                             clip_grad=1.0)
     sched = C.SchedulerConfig(start_weight_decay=0.033, end_weight_decay=0.033, weight_decay_incr_style="constant",
@@ -135,7 +139,8 @@ def run(args):
         seq_length=1024, normalization="RMSNorm",
         gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False,
         position_embedding_type="rope", share_embeddings_and_output_weights=False, make_vocab_size_divisible_by=128,
-        bf16=True, params_dtype=torch.bfloat16, attention_dropout=0.0, hidden_dropout=0.0,
+        bf16=not args.fp16, fp16=args.fp16, params_dtype=torch.half if args.fp16 else torch.bfloat16,
+        attention_dropout=0.0, hidden_dropout=0.0,
         tensor_model_parallel_size=1, pipeline_model_parallel_size=1, **off, **recompute)
     overlap = int(os.environ.get("WORLD_SIZE", "1")) > 1
     cfg = C.ConfigContainer(
@@ -143,7 +148,8 @@ def run(args):
         train=C.TrainingConfig(train_iters=args.iters, global_batch_size=16, micro_batch_size=2, exit_signal_handler=False),
         validation=C.ValidationConfig(eval_interval=None, eval_iters=0),
         optimizer=opt, scheduler=sched,
-        ddp=C.DistributedDataParallelConfig(check_for_nan_in_grad=True, grad_reduce_in_fp32=True,
+        # fp16: Megatron raises on the first inf gradient unless the NaN check is off
+        ddp=C.DistributedDataParallelConfig(check_for_nan_in_grad=not args.fp16, grad_reduce_in_fp32=not args.fp16,
                                             overlap_grad_reduce=overlap, overlap_param_gather=overlap,
                                             average_in_collective=True, use_distributed_optimizer=True),
         dataset=C.MockGPTDatasetConfig(seq_length=1024, random_seed=1234, reset_attention_mask=False,
@@ -156,7 +162,7 @@ def run(args):
         # --save: one synchronous torch_dist checkpoint at the last iteration (scripts/check_checkpoint.py)
         checkpoint=C.CheckpointConfig(save=args.save, load=None, save_interval=args.iters if args.save else None,
                                       ckpt_format="torch_dist", async_save=False, save_optim=True),
-        rng=C.RNGConfig(seed=1234), mixed_precision="bf16_mixed",
+        rng=C.RNGConfig(seed=1234), mixed_precision="fp16_mixed" if args.fp16 else "bf16_mixed",
     )
     report_holder = {}
     if args.mode in ("flag", "auto"):
@@ -198,6 +204,7 @@ def run(args):
         "steady_iter_peak_gib": max(r["iter_peak_gib"] for r in steady),
         "max_iter_peak_gib": max(r["iter_peak_gib"] for r in recs),
         "losses": [r["loss"] for r in recs],
+        "skipped_iters": [r["iter"] for r in recs if r["skipped"]],
         "final_params_sha256": h.hexdigest(),
         "sessions": report_holder.get("sessions", []),
     }
@@ -349,6 +356,7 @@ def run_all(args):
                "--out", path]
         cmd += ["--chunk-mb", str(chunk_mb)] if chunk_mb is not None else []
         cmd += ["--recompute"] if args.recompute else []
+        cmd += ["--fp16"] if args.fp16 else []
         cmd += ["--bypass-te-adam-check"] if args.bypass_te_adam_check else []
         with open(log, "w") as f:
             rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
@@ -360,7 +368,8 @@ def run_all(args):
         print(f"{tag}: iteration peak {results[tag]['steady_iter_peak_gib']:.2f} GiB, forward-backward "
               f"{results[tag]['steady_fwdbwd_peak_gib']:.2f} GiB, step {results[tag]['steady_step_median_s']:.3f} s, "
               f"first {results[tag]['first_iter_s']:.2f} s", flush=True)
-    summary = {"workload": "887M" + (" full recompute" if args.recompute else ""), "runs": results,
+    summary = {"workload": "887M" + (" full recompute" if args.recompute else "") + (" fp16" if args.fp16 else ""),
+               "runs": results,
                "checks": checks(results, args.default_chunk_mb)}
     if args.bandwidth:
         summary["bandwidth"] = bandwidth()
@@ -382,6 +391,7 @@ def main():
     r.add_argument("--chunk-mb", type=int, help="builtin: bridge_fgo's window; auto: Megatron-Core's chunk size")
     r.add_argument("--recompute", action="store_true", help="full activation recomputation")
     r.add_argument("--save", help="save a torch_dist checkpoint here at the last iteration")
+    r.add_argument("--fp16", action="store_true", help="fp16 with dynamic loss scaling (the first steps are skipped)")
     r.add_argument("--layers", type=int, default=16)
     r.add_argument("--hidden", type=int, default=2048)
     r.add_argument("--ffn", type=int, default=5632)
@@ -396,6 +406,7 @@ def main():
     a.add_argument("--dev-mcore", default=".mlm", help="a Megatron-LM source tree (its megatron/core) for dev- modes")
     a.add_argument("--default-chunk-mb", type=int, default=256, help="the window the targets judge")
     a.add_argument("--recompute", action="store_true")
+    a.add_argument("--fp16", action="store_true")
     a.add_argument("--bandwidth", action="store_true", help="also measure pinned host<->device bandwidth")
     a.add_argument("--bypass-te-adam-check", action="store_true")
     args = ap.parse_args()
