@@ -118,8 +118,8 @@ def run(args):
 
         initialize.compile_helpers = lambda: None  # the wheel has no Makefile for `make`
 
-    # --fp16: dynamic loss scaling from 2**24, so the first steps overflow and are skipped
-    fp16 = dict(initial_loss_scale=2**24) if args.fp16 else {}
+    # --fp16: dynamic loss scaling from --loss-scale, high enough that the first steps overflow and are skipped
+    fp16 = dict(initial_loss_scale=args.loss_scale) if args.fp16 else {}
     opt = C.OptimizerConfig(optimizer="adam", lr=3e-4, min_lr=3e-5, weight_decay=0.1, bf16=not args.fp16,
                             fp16=args.fp16, **fp16,
                             adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, use_distributed_optimizer=True,
@@ -392,6 +392,7 @@ def main():
     r.add_argument("--recompute", action="store_true", help="full activation recomputation")
     r.add_argument("--save", help="save a torch_dist checkpoint here at the last iteration")
     r.add_argument("--fp16", action="store_true", help="fp16 with dynamic loss scaling (the first steps are skipped)")
+    r.add_argument("--loss-scale", type=float, default=2.0**16, help="with --fp16: the initial loss scale")
     r.add_argument("--layers", type=int, default=16)
     r.add_argument("--hidden", type=int, default=2048)
     r.add_argument("--ffn", type=int, default=5632)
