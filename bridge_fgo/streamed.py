@@ -258,7 +258,6 @@ class StreamedEngine:
             self.settle()  # a rerun after finalization: the prefetched chunk goes back unused
         import torch
 
-        moved = 0
         pending = [(e, t) for e in self.entries for t in (self._current(e),)
                    if t is not None and not self._same(t, e.host)]
         if not pending:
@@ -268,7 +267,6 @@ class StreamedEngine:
         with (torch.cuda.stream(self._d2h) if self.cuda else contextlib.nullcontext()):
             for e, t in pending:
                 e.host.copy_(t.detach(), non_blocking=self.cuda)
-                moved += e.nbytes
         for e, t in pending:
             src = t if e.key is not None else e.param.data
             if e.key is None:
@@ -312,8 +310,6 @@ class StreamedEngine:
     def settle(self) -> None:
         """Whatever happened (a step, a skipped step, an exception, a rerun): every copy finished,
         every entry bound to its host view, the hooks removed, the slots freed."""
-        import torch
-
         self._unshadow()
         self.armed = False
         self._prefetched = None

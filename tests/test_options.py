@@ -64,7 +64,7 @@ def test_bad_chunk_mb_in_patch(bad):
 @pytest.mark.parametrize("raw", ["-1", "1.5", "big", "", "0x10", "--5"])
 def test_bad_chunk_mb_in_the_environment(raw, monkeypatch):
     monkeypatch.setenv("BRIDGE_FGO_CHUNK_MB", raw)
-    with pytest.raises(BridgeFGOOptionError, match=f"BRIDGE_FGO_CHUNK_MB=.* is not a window size in MB"):
+    with pytest.raises(BridgeFGOOptionError, match="BRIDGE_FGO_CHUNK_MB=.* is not a window size in MB"):
         bridge_fgo.patch()
 
 
