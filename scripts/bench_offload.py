@@ -4,6 +4,10 @@
   python scripts/bench_offload.py all --out-dir DIR --modes base,builtin:0,builtin:256,dev-base,dev-auto:256
   python scripts/bench_offload.py run --mode builtin --chunk-mb 256 --out F   # one mode (under torchrun too)
 
+Parallel layouts for scripts/bench_matrix.py: --tp, --pp/--vpp, --experts/--ep (a mixture-of-experts
+model on Megatron-Core's local spec); checkpoints for scripts/check_checkpoint.py: --save/--save-interval/
+--async-save, --load/--ckpt-step/--resume-fix.
+
 Workload: Llama-style GPT, 887M parameters (16 layers, hidden 2048, ffn 5632, seq 1024, mbs 2, gbs 16),
 bf16, distributed optimizer (torch AdamW inside: no Transformer Engine), mock data, Megatron-Core's
 'local' transformer implementation. Per iteration it records the forward-backward peak (from
@@ -29,12 +33,20 @@ def run(args):
     for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29517").items():
         os.environ.setdefault(k, v)
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    if args.deterministic:  # before CUDA and NCCL start: Bridge asserts NCCL_ALGO; cuBLAS needs a fixed workspace
+        os.environ.setdefault("NCCL_ALGO", "Ring")
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s: %(message)s")
     sys.path.insert(0, HERE)
     import bench_imports
 
     bench_imports.install()
     import bridge_fgo
+
+    if args.resume_fix != "none":
+        import resume_fix
+
+        resume_fix.install(unshare_step=args.resume_fix == "full")
 
     if args.mode == "builtin":
         # under bridge-fgo-run --offload builtin: already patched, a no-op
@@ -130,6 +142,13 @@ def run(args):
     # full activation recomputation: activations shrink to one layer's, so optimizer states dominate
     recompute = (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
                  if args.recompute else {})
+    # mixture of experts on Megatron-Core's local spec (SequentialMLP experts, no grouped GEMM: no TE)
+    moe = (dict(num_moe_experts=args.experts, moe_router_topk=args.topk, moe_ffn_hidden_size=args.moe_ffn,
+                moe_grouped_gemm=False, moe_token_dispatcher_type="alltoall", moe_permute_fusion=False,
+                moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2)
+           if args.experts else {})
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    dp = world // (args.tp * args.pp)
     off = dict(masked_softmax_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
                gradient_accumulation_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
                cross_entropy_loss_fusion=False)
@@ -141,8 +160,12 @@ def run(args):
         position_embedding_type="rope", share_embeddings_and_output_weights=False, make_vocab_size_divisible_by=128,
         bf16=not args.fp16, fp16=args.fp16, params_dtype=torch.half if args.fp16 else torch.bfloat16,
         attention_dropout=0.0, hidden_dropout=0.0,
-        tensor_model_parallel_size=1, pipeline_model_parallel_size=1, **off, **recompute)
-    overlap = int(os.environ.get("WORLD_SIZE", "1")) > 1
+        tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
+        virtual_pipeline_model_parallel_size=args.vpp, expert_model_parallel_size=args.ep,
+        # deterministic kernels (MoE's token unpermute adds with atomics otherwise); Bridge then wants
+        # NCCL_ALGO set and turns on torch.use_deterministic_algorithms
+        deterministic_mode=args.deterministic, **off, **recompute, **moe)
+    overlap = dp > 1  # gradient reduce-scatter and param all-gather overlap only exist with DP > 1
     cfg = C.ConfigContainer(
         model=model,
         train=C.TrainingConfig(train_iters=args.iters, global_batch_size=16, micro_batch_size=2, exit_signal_handler=False),
@@ -160,8 +183,9 @@ def run(args):
         logger=C.LoggerConfig(log_interval=1, tensorboard_dir=None),
         tokenizer=C.TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=32000),
         # --save: one synchronous torch_dist checkpoint at the last iteration (scripts/check_checkpoint.py)
-        checkpoint=C.CheckpointConfig(save=args.save, load=None, save_interval=args.iters if args.save else None,
-                                      ckpt_format="torch_dist", async_save=False, save_optim=True),
+        checkpoint=C.CheckpointConfig(save=args.save, load=args.load, ckpt_step=args.ckpt_step,
+                                      save_interval=(args.save_interval or args.iters) if args.save else None,
+                                      ckpt_format="torch_dist", async_save=args.async_save, save_optim=True),
         rng=C.RNGConfig(seed=1234), mixed_precision="fp16_mixed" if args.fp16 else "bf16_mixed",
     )
     report_holder = {}
@@ -188,12 +212,17 @@ def run(args):
     pretrain(cfg, forward_step)
     wall = time.perf_counter() - t0
     h = hashlib.sha256()
-    for p in held["model"][0].parameters():
-        h.update(p.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes())
+    for chunk in held["model"]:  # every virtual-pipeline chunk of this rank
+        for p in chunk.parameters():
+            h.update(p.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes())
     steady = [r for r in recs if r["iter"] > 2]
     rank = int(os.environ.get("RANK", "0"))
     summary = {
-        "mode": args.mode, "chunk_mb": args.chunk_mb, "recompute": args.recompute, "rank": rank, "megatron_core_from": os.path.dirname(sys.modules["megatron.core"].__file__),
+        "mode": args.mode, "chunk_mb": args.chunk_mb, "recompute": args.recompute, "rank": rank,
+        "layout": {"tp": args.tp, "pp": args.pp, "vpp": args.vpp, "ep": args.ep, "dp": dp, "experts": args.experts,
+                   "deterministic": args.deterministic, "overlap": overlap},
+        "checkpoint": {"save": args.save, "save_interval": args.save_interval, "async_save": args.async_save,
+                       "load": args.load, "ckpt_step": args.ckpt_step, "resume_fix": args.resume_fix}, "megatron_core_from": os.path.dirname(sys.modules["megatron.core"].__file__),
         "te_adam_check_bypassed": args.bypass_te_adam_check, "world_size": int(os.environ.get("WORLD_SIZE", "1")),
         "device": torch.cuda.get_device_name(), "torch": torch.__version__,
         "iters": len(recs), "pretrain_wall_s": wall,
@@ -390,7 +419,21 @@ def main():
     r.add_argument("--iters", type=int, default=10)
     r.add_argument("--chunk-mb", type=int, help="builtin: bridge_fgo's window; auto: Megatron-Core's chunk size")
     r.add_argument("--recompute", action="store_true", help="full activation recomputation")
-    r.add_argument("--save", help="save a torch_dist checkpoint here at the last iteration")
+    r.add_argument("--save", help="save torch_dist checkpoints here (at the last iteration, or every --save-interval)")
+    r.add_argument("--save-interval", type=int)
+    r.add_argument("--async-save", action="store_true", help="Bridge's async_save=True")
+    r.add_argument("--load", help="resume from this checkpoint directory")
+    r.add_argument("--ckpt-step", type=int, help="with --load: the iteration to resume from")
+    r.add_argument("--resume-fix", choices=("none", "prime", "full"), default="none",
+                   help="Megatron-Core without TE/apex cannot load torch AdamW state; see scripts/resume_fix.py")
+    r.add_argument("--tp", type=int, default=1)
+    r.add_argument("--pp", type=int, default=1)
+    r.add_argument("--vpp", type=int, help="virtual pipeline stages per pipeline rank")
+    r.add_argument("--ep", type=int, default=1, help="expert-parallel size (with --experts)")
+    r.add_argument("--experts", type=int, help="a mixture-of-experts model with this many experts")
+    r.add_argument("--topk", type=int, default=2)
+    r.add_argument("--moe-ffn", type=int, default=1408)
+    r.add_argument("--deterministic", action="store_true", help="the model's deterministic_mode (needs NCCL_ALGO)")
     r.add_argument("--fp16", action="store_true", help="fp16 with dynamic loss scaling (the first steps are skipped)")
     r.add_argument("--loss-scale", type=float, default=2.0**16, help="with --fp16: the initial loss scale")
     r.add_argument("--layers", type=int, default=16)

@@ -1,0 +1,94 @@
+"""Resuming a distributed-optimizer checkpoint with torch AdamW (no Transformer Engine, no apex).
+
+Not part of bridge_fgo: a Megatron-Core defect that exists with or without offload, fixed here so
+that resume can be checked (scripts/check_checkpoint.py --resume) and shown to users who train
+without TE. Call install() before pretrain(); with TE or apex installed it does nothing.
+
+Without TE or apex (`distrib_optimizer.HAVE_APEX_OR_TE` False), Megatron-Core keeps AdamW's step in
+the inner torch optimizer's per-parameter state (megatron-core 0.16.1 to 0.19.2; Megatron-LM dev
+d48bd6be and main d98e8a64 unchanged). Loading a checkpoint then goes wrong twice:
+
+1. A load happens before the first step, when that state is still empty:
+   `DistributedOptimizer.sharded_state_dict(is_loading=True)` calls `state_dict()`, which finds no
+   step and fails `assert len(steps) == 1`. No checkpoint with optimizer state can be loaded.
+2. `DistributedOptimizer.load_state_dict` gives every parameter the same step tensor. torch's AdamW
+   increments each parameter's step in place, so after a resume that one tensor grows by the number
+   of parameters each step and the bias correction is no longer the uninterrupted run's.
+
+install() wraps both methods on the class: before a load into an empty optimizer it creates the
+state the optimizer's own `init_state_fn` creates plus a step of 0 (the load then overwrites all of
+it from the checkpoint); after `load_state_dict`, every parameter gets its own copy of the step.
+"""
+import functools
+import inspect
+
+
+def install(unshare_step=True):
+    """Patch megatron.core's DistributedOptimizer (idempotent). unshare_step=False fixes only the
+    assertion, to show what the shared step does to a resumed run."""
+    from megatron.core.optimizer import distrib_optimizer as m
+
+    cls = m.DistributedOptimizer
+    if m.HAVE_APEX_OR_TE or getattr(cls, "_resume_fix", None) is not None:
+        return
+    sharded, load = cls.sharded_state_dict, cls.load_state_dict
+    is_loading_of = _argument_reader(sharded, "is_loading")
+
+    @functools.wraps(sharded)
+    def sharded_state_dict(self, *args, **kwargs):
+        if is_loading_of(self, *args, **kwargs):
+            prime(self)
+        return sharded(self, *args, **kwargs)
+
+    @functools.wraps(load)
+    def load_state_dict(self, *args, **kwargs):
+        out = load(self, *args, **kwargs)
+        if unshare_step:
+            unshare(self)
+        return out
+
+    cls.sharded_state_dict, cls.load_state_dict = sharded_state_dict, load_state_dict
+    cls._resume_fix = (sharded, load)
+
+
+def prime(dist_opt):
+    """Give an optimizer that never stepped the state a step would have created, with step 0."""
+    import torch
+
+    inner = dist_opt.optimizer
+    if len(inner.state):
+        return
+    dist_opt.init_state_fn(inner, dist_opt.config)
+    for group in inner.param_groups:
+        for p in group["params"]:
+            inner.state[p]["step"] = torch.tensor(0.0)
+
+
+def unshare(dist_opt):
+    """One step tensor per parameter, as torch's AdamW keeps it."""
+    import torch
+
+    for state in dist_opt.optimizer.state.values():
+        if torch.is_tensor(state.get("step")):
+            state["step"] = state["step"].clone()
+
+
+def _argument_reader(func, name):
+    signature = inspect.signature(func)
+
+    def read(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return bound.arguments[name]
+
+    return read
+
+
+def uninstall():
+    from megatron.core.optimizer import distrib_optimizer as m
+
+    cls = m.DistributedOptimizer
+    saved = cls.__dict__.get("_resume_fix")
+    if saved is not None:
+        cls.sharded_state_dict, cls.load_state_dict = saved
+        del cls._resume_fix
