@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 from megatron.core.optimizer import distrib_optimizer
+from megatron.core.optimizer.optimizer import param_group_identifier_keys
 
 from bridge_fgo.streamed import StreamedEngine
 from support import harness
@@ -35,6 +36,12 @@ def init_state_fn(opt, config=None):
 def optimizer():
     opt = make()
     opt.init_state_fn, opt.grad_scaler, opt.config.fp16 = init_state_fn, None, False
+    # load_state_dict pairs saved and current groups by these keys, which Megatron-Core's own param
+    # groups always carry; releases before 0.19 raise on a missing one
+    defaults = {"wd_mult": 1.0, "lr_mult": 1.0, "is_expert_parallel": False, "is_decoupled_lr": False}
+    for group in opt.optimizer.param_groups:
+        for key in param_group_identifier_keys:
+            group.setdefault(key, defaults.get(key))
     return opt
 
 
