@@ -46,7 +46,7 @@ def run(args):
     if args.resume_fix != "none":
         import resume_fix
 
-        resume_fix.install(unshare_step=args.resume_fix == "full")
+        resume_fix.install(restore_step=args.resume_fix == "full")
 
     if args.mode == "builtin":
         # under bridge-fgo-run --offload builtin: already patched, a no-op

@@ -13,9 +13,9 @@ checkpoint is read back with torch.distributed.checkpoint (dcp_to_torch_save, no
 compared with the first mode's at the same iteration: same keys, dtypes and shapes, bit-identical
 values. --resume then restarts each mode from its own checkpoint at --save-at (same mode, with
 scripts/resume_fix.py, without which Megatron-Core cannot load torch AdamW state) and compares its
-losses and final parameters with the first mode's uninterrupted run; a base resume with the
-assertion fixed but steps left shared shows what that second defect does. Prints one JSON line per
-comparison, writes OUT/checkpoint_check.json and exits non-zero on any difference.
+losses and final parameters with the first mode's uninterrupted run; a base resume with only the
+assertion fixed (--resume-fix prime) shows what Megatron-Core's own step handling does. Prints one
+JSON line per comparison, writes OUT/checkpoint_check.json and exits non-zero on any difference.
 """
 import argparse
 import json
@@ -129,7 +129,7 @@ def main():
     first = runs.get(tokens[0][0])
     if args.resume and first:
         resumes = [(f"resume_{tag}", tag, mode, mb, "full") for tag, mode, mb, _ in tokens if runs.get(tag)]
-        resumes.append(("resume_base_shared_step", tokens[0][0], "base", "", "prime"))
+        resumes.append(("resume_base_megatron_step", tokens[0][0], "base", "", "prime"))
         for name, source, mode, mb, fix in resumes:
             extra = ["--iters", str(args.iters), "--load", os.path.join(args.out_dir, f"ckpt_{source}"),
                      "--ckpt-step", str(args.save_at), "--resume-fix", fix]
@@ -143,7 +143,7 @@ def main():
                    "losses_identical": got["losses"] == want,
                    "final_params_identical": got["final_params_sha256"] == first["final_params_sha256"]}
             row["identical"] = row["losses_identical"] and row["final_params_identical"]
-            if fix == "prime":  # the witness: expected to differ, which is why resume_fix unshares the step
+            if fix == "prime":  # the witness: Megatron-Core's own step handling, expected to differ
                 row["as_expected"] = not row["identical"]
             report(row)
     with open(os.path.join(args.out_dir, "checkpoint_check.json"), "w") as f:

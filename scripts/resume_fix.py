@@ -6,7 +6,7 @@ without TE. Call install() before pretrain(); with TE or apex installed it does 
 
 Without TE or apex (`distrib_optimizer.HAVE_APEX_OR_TE` False), Megatron-Core keeps AdamW's step in
 the inner torch optimizer's per-parameter state (megatron-core 0.16.1 to 0.19.2; Megatron-LM dev
-d48bd6be and main d98e8a64 unchanged). Loading a checkpoint then goes wrong twice:
+d48bd6be and main d98e8a64 unchanged). Loading a checkpoint then goes wrong three times:
 
 1. A load happens before the first step, when that state is still empty:
    `DistributedOptimizer.sharded_state_dict(is_loading=True)` calls `state_dict()`, which finds no
@@ -14,18 +14,22 @@ d48bd6be and main d98e8a64 unchanged). Loading a checkpoint then goes wrong twic
 2. `DistributedOptimizer.load_state_dict` gives every parameter the same step tensor. torch's AdamW
    increments each parameter's step in place, so after a resume that one tensor grows by the number
    of parameters each step and the bias correction is no longer the uninterrupted run's.
+3. In the `dp_reshardable` format (Bridge's default), `load_state_dict` then copies the parameter
+   state in, step included. The step is not in the checkpoint (a LocalNonpersistentObject), so what
+   lands over the checkpoint's step is the step the optimizer held when the load was prepared.
 
 install() wraps both methods on the class: before a load into an empty optimizer it creates the
-state the optimizer's own `init_state_fn` creates plus a step of 0 (the load then overwrites all of
-it from the checkpoint); after `load_state_dict`, every parameter gets its own copy of the step.
+state the optimizer's own `init_state_fn` creates plus a step of 0 (the load overwrites the tensors
+from the checkpoint); after `load_state_dict`, every parameter gets its own step tensor holding the
+step saved in the checkpoint's param groups.
 """
 import functools
 import inspect
 
 
-def install(unshare_step=True):
-    """Patch megatron.core's DistributedOptimizer (idempotent). unshare_step=False fixes only the
-    assertion, to show what the shared step does to a resumed run."""
+def install(restore_step=True):
+    """Patch megatron.core's DistributedOptimizer (idempotent). restore_step=False fixes only the
+    assertion, to show what Megatron-Core's own step handling does to a resumed run."""
     from megatron.core.optimizer import distrib_optimizer as m
 
     cls = m.DistributedOptimizer
@@ -33,6 +37,7 @@ def install(unshare_step=True):
         return
     sharded, load = cls.sharded_state_dict, cls.load_state_dict
     is_loading_of = _argument_reader(sharded, "is_loading")
+    state_dict_of = _argument_reader(load, "state_dict")
 
     @functools.wraps(sharded)
     def sharded_state_dict(self, *args, **kwargs):
@@ -42,9 +47,10 @@ def install(unshare_step=True):
 
     @functools.wraps(load)
     def load_state_dict(self, *args, **kwargs):
+        step = saved_step(state_dict_of(self, *args, **kwargs))
         out = load(self, *args, **kwargs)
-        if unshare_step:
-            unshare(self)
+        if restore_step and step is not None:
+            set_step(self, step)
         return out
 
     cls.sharded_state_dict, cls.load_state_dict = sharded_state_dict, load_state_dict
@@ -64,13 +70,20 @@ def prime(dist_opt):
             inner.state[p]["step"] = torch.tensor(0.0)
 
 
-def unshare(dist_opt):
-    """One step tensor per parameter, as torch's AdamW keeps it."""
+def saved_step(state_dict):
+    """The step DistributedOptimizer.state_dict() writes into every param group (None if absent)."""
+    groups = (state_dict.get("optimizer") or {}).get("param_groups", []) if isinstance(state_dict, dict) else []
+    steps = {float(g["step"]) for g in groups if "step" in g}
+    return steps.pop() if len(steps) == 1 else None
+
+
+def set_step(dist_opt, step):
+    """One step tensor per parameter, as torch's AdamW keeps it, each holding `step`."""
     import torch
 
     for state in dist_opt.optimizer.state.values():
         if torch.is_tensor(state.get("step")):
-            state["step"] = state["step"].clone()
+            state["step"] = torch.full_like(state["step"], step)
 
 
 def _argument_reader(func, name):

@@ -1,16 +1,21 @@
 """scripts/resume_fix.py against this release's real Megatron-Core DistributedOptimizer (CPU).
 
 Without TE or apex, Megatron-Core cannot load torch AdamW state into a distributed optimizer that has
-not stepped (an assertion), and once loaded all parameters share one step tensor. Both defects are
-shown here on the real methods, then the fix: a resumed optimizer, with and without the streamed
-engine, continues bit-identically to the uninterrupted one. The GPU run through Bridge's own
-save and load is scripts/check_checkpoint.py --resume.
+not stepped (an assertion); once that is fixed, a load through the dp_reshardable format (Bridge's
+default) leaves every parameter one shared step tensor holding the step from before the load, not the
+checkpoint's. The defects are shown here on the real methods, with Bridge's load sequence (the real
+sharded_state_dict on both sides, the checkpoint's tensors copied in, load_state_dict), then the fix:
+a resumed optimizer, with and without the streamed engine, continues bit-identically to the
+uninterrupted one. The GPU run through Bridge's own save and load is scripts/check_checkpoint.py --resume.
 """
+import copy
 import os
 import sys
+import types
 
 import pytest
 import torch
+from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedObject, ShardedTensor
 from megatron.core.optimizer import distrib_optimizer
 from megatron.core.optimizer.optimizer import param_group_identifier_keys
 
@@ -42,6 +47,12 @@ def optimizer():
     for group in opt.optimizer.param_groups:
         for key in param_group_identifier_keys:
             group.setdefault(key, defaults.get(key))
+    # what sharded_state_dict reads, for one data-parallel rank
+    opt.data_parallel_group = types.SimpleNamespace(rank=lambda: 0, size=lambda: 1)
+    opt.data_parallel_group_idx = opt.distributed_optimizer_instance_id = 0
+    for buffer in opt.buffers:
+        for bucket in buffer.buckets:
+            bucket.numel_unpadded, bucket.grad_data = bucket.param_data.numel(), buffer.grad_data
     return opt
 
 
@@ -55,19 +66,35 @@ def fix():
     assert "_resume_fix" not in vars(distrib_optimizer.DistributedOptimizer)
 
 
-def resume(saved, source, **kw):
-    """What Bridge's load does to a fresh optimizer: sharded_state_dict(is_loading=True) (which primes
-    and loads the optimizer's own state dict), the checkpoint filling the state tensors in place,
-    then load_state_dict with the saved param groups."""
+FORMAT = {"distrib_optim_sharding_type": "dp_reshardable"}  # Bridge's default
+
+
+def checkpoint_load(saved, loading):
+    """What torch_dist does with a sharded state dict built for loading: each ShardedTensor filled in
+    place from the saved one, each ShardedObject replaced by the saved object, each
+    LocalNonpersistentObject unwrapped (it was never saved)."""
+    if isinstance(loading, dict):
+        return {k: checkpoint_load(saved[k], v) for k, v in loading.items()}
+    if isinstance(loading, list):
+        assert len(saved) == len(loading)
+        return [checkpoint_load(a, b) for a, b in zip(saved, loading)]
+    if isinstance(loading, ShardedTensor):
+        return loading.data.copy_(saved.data)
+    if isinstance(loading, ShardedObject):
+        return copy.deepcopy(saved.data)
+    if isinstance(loading, LocalNonpersistentObject):
+        return loading.unwrap()
+    return loading
+
+
+def resume(source):
+    """Bridge's resume of `source` into a fresh optimizer: the sharded state dict saved from the
+    source, the one built for loading into the fresh optimizer, torch_dist's load, then
+    optimizer.load_state_dict(state_dict["optimizer"]). The model's own params load separately."""
+    saved = copy.deepcopy(source.sharded_state_dict({}, False, metadata=FORMAT))
     opt = optimizer()
-    resume_fix.prime(opt)
-    opt.load_state_dict(opt.state_dict())
-    for p_src, p in zip(params(source), params(opt)):
-        p.data.copy_(p_src.data)
-        for k in ("exp_avg", "exp_avg_sq"):
-            opt.optimizer.state[p][k].copy_(source.optimizer.state[p_src][k])
+    opt.load_state_dict(checkpoint_load(saved, opt.sharded_state_dict({}, True, metadata=FORMAT)))
     opt.buffers[0].param_data.copy_(source.buffers[0].param_data)
-    opt.load_state_dict(saved)
     opt._gen = source._gen
     return opt
 
@@ -90,22 +117,24 @@ def test_prime_is_called_only_for_a_load_and_only_on_an_empty_optimizer(fix):
     assert {float(s["step"]) for s in opt.optimizer.state.values()} == {0.0}
 
 
-@pytest.mark.parametrize("unshare", [False, True])
-def test_resumed_optimizer_continues_bit_identically_only_with_unshared_steps(fix, unshare):
-    fix(unshare_step=unshare)
+@pytest.mark.parametrize("restore", [False, True])
+def test_resumed_optimizer_continues_bit_identically_only_with_the_step_restored(fix, restore):
+    fix(restore_step=restore)
     uninterrupted = optimizer()
     for _ in range(2):
         step(uninterrupted)
-    saved = uninterrupted.state_dict()
-    resumed = resume(saved, uninterrupted)
+    resumed = resume(uninterrupted)
     steps = [s["step"] for s in resumed.optimizer.state.values()]
-    assert len({id(s) for s in steps}) == (len(steps) if unshare else 1)
+    if restore:
+        assert len({id(s) for s in steps}) == len(steps) and {float(s) for s in steps} == {2.0}
+    else:  # one shared tensor, and the step from before the load, not the checkpoint's 2
+        assert len({id(s) for s in steps}) == 1 and float(steps[0]) == 0.0
     step(uninterrupted)
     step(resumed)
-    if unshare:
+    if restore:
         assert_same(snapshot(uninterrupted), snapshot(resumed))
-    else:  # one tensor stepped once per parameter: the bias correction is not the uninterrupted run's
-        assert float(steps[0]) == 2 + len(steps)
+    else:  # stepped once per parameter from 0: the bias correction is not the uninterrupted run's
+        assert float(steps[0]) == len(steps)
         assert not all(torch.equal(a, b) for a, b in zip(params(uninterrupted), params(resumed)))
 
 
@@ -115,7 +144,7 @@ def test_resumed_optimizer_under_the_streamed_engine_equals_the_uninterrupted_ru
     uninterrupted = optimizer()
     for _ in range(2):
         step(uninterrupted)
-    resumed = resume(uninterrupted.state_dict(), uninterrupted)
+    resumed = resume(uninterrupted)
     engine = StreamedEngine(resumed, 2000)
     engine.prepare()
     for _ in range(3):
