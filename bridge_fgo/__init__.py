@@ -6,7 +6,7 @@
 Importing this package imports neither torch nor Megatron.
 """
 from .errors import BridgeFGOConfigError, BridgeFGOError, BridgeFGOOptionError
-from .patcher import is_patched, patch, status, unpatch
+from .instrument.patcher import is_patched, patch, status, unpatch
 from .report import Report
 
 __version__ = "0.1.0"

@@ -6,7 +6,7 @@ offload and with bridge_fgo's builtin engine (streamed step and one window), on 
   python3 scripts/bench_matrix.py table [LABEL=]DIR ...    # the README's table from row directories
 
 Every run is scripts/bench_offload.py (its model, data and measurements); multi-GPU rows start under
-torchrun, and offload runs through bridge-fgo-run (`python3 -m bridge_fgo.launcher`), as a user
+torchrun, and offload runs through bridge-fgo-run (`python3 -m bridge_fgo.cli.launcher`), as a user
 launches. A row writes OUT/<row>/<tag>.json (rank 0) and <tag>.rank<N>.json, the logs, and
 OUT/<row>/row.json: per mode, losses and final parameters against no offload on every rank, bytes
 offloaded per rank and per optimizer of the chain, the forward-backward and whole-iteration peaks
@@ -51,7 +51,7 @@ def command(gpus, mode, chunk_mb, out, extra):
     bench += ["--chunk-mb", str(chunk_mb)] if chunk_mb is not None else []
     launch = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(gpus)]
               if gpus > 1 else [sys.executable])
-    patcher = ([sys.executable, "-m", "bridge_fgo.launcher", "--offload", "builtin", "--chunk-mb", str(chunk_mb)]
+    patcher = ([sys.executable, "-m", "bridge_fgo.cli.launcher", "--offload", "builtin", "--chunk-mb", str(chunk_mb)]
                if mode == "builtin" else [])
     return patcher + launch + bench
 

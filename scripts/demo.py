@@ -22,7 +22,7 @@ from support import harness, te_free  # noqa: E402
 
 te_free.install()  # this machine has no Transformer Engine
 import bridge_fgo  # noqa: E402
-from bridge_fgo.cli import third_party_output  # noqa: E402
+from bridge_fgo.cli.status import third_party_output  # noqa: E402
 
 ENGINE_CALLS = ("offload", "release", "reload", "settle")
 
@@ -66,7 +66,7 @@ say("the optimizer step one update per chunk of parameters, and engine.settle as
 rig = harness.Rig(cfg=cfg, with_tensors=True, shapes=BIG)
 rig.dist_optimizer.optimizer.register_step_pre_hook(
     lambda opt, args, kwargs: rig.events.add(f"update({sum(len(g['params']) for g in opt.param_groups)} param)"))
-from bridge_fgo.adapters.builtin import BuiltinAdapter  # noqa: E402
+from bridge_fgo.instrument.generations.none import BuiltinAdapter  # noqa: E402
 
 
 def recorded(name):

@@ -240,7 +240,7 @@ def test_per_rank_lines_carry_the_plan_figures(chunked, caplog):
     bridge_fgo.patch()
     plan = PlanStandIn([torch.zeros(8, 8), torch.zeros(32)], state_dtypes=(torch.float32, torch.float32))
     rig = chunked_rig(plan=plan)
-    loop = bridge_fgo.patcher._current.callsites.site(bridge_fgo.targets.target("train"))
+    loop = bridge_fgo.instrument.patcher._current.callsites.site(bridge_fgo.instrument.targets.target("train"))
     loop(lambda **kw: harness.run_steps(rig, steps=2), None, (),
          {"model": rig.model, "optimizer": rig.optimizer, "global_state": rig.global_state})
     lines = [r.getMessage() for r in caplog.records if "offload active" in r.getMessage()

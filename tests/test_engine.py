@@ -119,7 +119,7 @@ def test_builtin_exception_after_release_recovers():
     rig.forward_backward_func = harness.forward_backward_func(rig.events, RuntimeError("oom in backward"))
     with pytest.raises(RuntimeError, match="oom"):
         harness.run_steps(rig, steps=1)
-    session = next(iter(bridge_fgo.patcher._current.callsites.registry.sessions()))
+    session = next(iter(bridge_fgo.instrument.patcher._current.callsites.registry.sessions()))
     assert session.state == "resident"
     assert all(t.untyped_storage().nbytes() > 0 for t, _, _ in session.adapter.engines[0].plan)
     rig.forward_backward_func = harness.forward_backward_func(rig.events)
@@ -130,7 +130,7 @@ def test_builtin_unpatch_mid_training_leaves_states_resident():
     bridge_fgo.patch(offload="builtin", chunk_mb=0)  # the one-window engine
     rig = builtin_rig()
     harness.run_steps(rig, steps=2)
-    session = next(iter(bridge_fgo.patcher._current.callsites.registry.sessions()))
+    session = next(iter(bridge_fgo.instrument.patcher._current.callsites.registry.sessions()))
     plan = list(session.adapter.engines[0].plan)
     bridge_fgo.unpatch()
     assert plan and all(t.untyped_storage().nbytes() > 0 for t, _, _ in plan)

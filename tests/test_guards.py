@@ -3,7 +3,7 @@ exception mid-step, checkpoint save, unpatch."""
 import pytest
 
 import bridge_fgo
-from bridge_fgo.session import RELEASED, RESIDENT, Adapter, Session
+from bridge_fgo.instrument.session import RELEASED, RESIDENT, Adapter, Session
 from support import harness
 
 

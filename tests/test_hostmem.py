@@ -535,7 +535,7 @@ def test_bench_script_reads_page_placement():
 
 
 def test_status_shows_the_host_memory_the_engine_may_pin(monkeypatch):
-    from bridge_fgo import diagnose
+    from bridge_fgo.instrument import diagnose
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     line = diagnose.host_memory_line()

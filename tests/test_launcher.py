@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from bridge_fgo import launcher
-from bridge_fgo.bootstrap import DIRECTORY as BOOTSTRAP
+from bridge_fgo.cli import launcher
+from bridge_fgo.cli.bootstrap import DIRECTORY as BOOTSTRAP
 from conftest import BRIDGE, ROOT, SCRIPTS, pythonpath
 
 BIN = os.path.dirname(sys.executable)

@@ -164,15 +164,15 @@ def test_status_reports_disabled_and_never_raises(monkeypatch):
     assert bridge_fgo.status().reason == "disabled"
     bridge_fgo.unpatch()
     monkeypatch.setenv("BRIDGE_FGO_OFFLOAD", "sometimes")
-    bridge_fgo.patcher._current = None
+    bridge_fgo.instrument.patcher._current = None
     assert "BRIDGE_FGO_OFFLOAD='sometimes'" in bridge_fgo.status().reason
 
 
 def test_megatron_core_version_names_a_shadowing_source_tree(monkeypatch):
     import megatron.core
 
-    from bridge_fgo import generations
+    from bridge_fgo import versions
 
-    assert generations.megatron_core_version() == MCORE  # the wheel's X.Y.Z+<build> is the same release
+    assert versions.megatron_core_version() == MCORE  # the wheel's X.Y.Z+<build> is the same release
     monkeypatch.setattr(megatron.core, "__version__", "0.99.0")  # another source tree on PYTHONPATH
-    assert generations.megatron_core_version().startswith("0.99.0 (loaded from ")
+    assert versions.megatron_core_version().startswith("0.99.0 (loaded from ")

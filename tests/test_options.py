@@ -12,7 +12,9 @@ import zipfile
 import pytest
 
 import bridge_fgo
-from bridge_fgo import BridgeFGOOptionError, cli, diagnose as diagnose_mod, launcher, options
+from bridge_fgo import BridgeFGOOptionError, options
+from bridge_fgo.cli import launcher, status as cli
+from bridge_fgo.instrument import diagnose as diagnose_mod
 from bridge_fgo.options import DEFAULT_CHUNK_MB, Options
 from support import harness
 from conftest import BRIDGE, ROOT, pythonpath
@@ -72,7 +74,7 @@ def test_chunk_mb_reaches_the_builtin_adapter():
     bridge_fgo.patch(offload="builtin", chunk_mb=64)
     rig = harness.Rig(cfg=harness.config_container(mxfp8_copy=False), with_tensors=True)
     harness.run_steps(rig, steps=1)
-    session = next(iter(bridge_fgo.patcher._current.callsites.registry.sessions()))
+    session = next(iter(bridge_fgo.instrument.patcher._current.callsites.registry.sessions()))
     assert session.adapter.chunk_mb == 64 and len(session.adapter.engines) == 1
 
 
@@ -156,5 +158,5 @@ def test_wheel_carries_the_package_and_no_test_rig(tmp_path):
     expected = sorted(os.path.relpath(os.path.join(d, f), ROOT) for d, _, fs in os.walk(os.path.join(ROOT, "bridge_fgo"))
                       if "__pycache__" not in d for f in fs if f.endswith(".py"))
     assert code == expected
-    assert "bridge_fgo/bootstrap/sitecustomize.py" in code and "bridge_fgo/envflags.py" in code
+    assert "bridge_fgo/cli/bootstrap/sitecustomize.py" in code and "bridge_fgo/envflags.py" in code
     assert not any(f.startswith(("tests/", "support/")) or "/support/" in f for f in files)

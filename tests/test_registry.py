@@ -3,8 +3,8 @@ a generation or a target added to them is picked up everywhere without touching 
 import pytest
 
 import bridge_fgo
-from bridge_fgo import adapters, diagnose as diagnose_mod, targets
-from bridge_fgo.adapters import Adapter, Generation
+from bridge_fgo.instrument import diagnose as diagnose_mod, generations as adapters, targets
+from bridge_fgo.instrument.generations import Adapter, Generation
 from bridge_fgo.options import Options
 from support import harness
 

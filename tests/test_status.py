@@ -12,8 +12,10 @@ from unittest import mock
 import pytest
 
 import bridge_fgo
-from bridge_fgo import cli, diagnose as diagnose_mod, generations, targets
-from bridge_fgo.adapters import chunked
+from bridge_fgo.cli import status as cli
+from bridge_fgo import versions as versions_mod
+from bridge_fgo.instrument import diagnose as diagnose_mod, generations, targets
+from bridge_fgo.instrument.generations import chunked
 from bridge_fgo.errors import BridgeFGOError
 from bridge_fgo.options import Options
 from support import harness
@@ -177,8 +179,8 @@ def test_verdict_pretrain_bypass(monkeypatch, train_module):
 
 
 def test_verdict_bridge_not_installed(monkeypatch):
-    versions = {**generations.versions(), "megatron-bridge": None}
-    monkeypatch.setattr(generations, "versions", lambda: versions)
+    fake_versions = {**versions_mod.versions(), "megatron-bridge": None}
+    monkeypatch.setattr(versions_mod, "versions", lambda: fake_versions)
     missing = "ModuleNotFoundError: No module named 'megatron.bridge'"
     monkeypatch.setattr(diagnose_mod, "_import", lambda name: (None, missing))
     report = diagnose_mod.diagnose(Options())
@@ -209,7 +211,7 @@ def test_cli_in_process(capsys, monkeypatch, train_module):
 def train_through_the_wrapper(rig, steps):
     """Bridge's train() wrapper around a stand-in loop that calls the real (patched) train_step: the
     real train() needs a cluster, the wrapper's start/end logic does not."""
-    loop_site = bridge_fgo.patcher._current.callsites.site(targets.target("train"))
+    loop_site = bridge_fgo.instrument.patcher._current.callsites.site(targets.target("train"))
 
     def loop(**kwargs):
         harness.run_steps(rig, steps=steps)

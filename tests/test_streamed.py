@@ -286,7 +286,7 @@ def rig(**kw):
 
 
 def engine_of():
-    (session,) = bridge_fgo.patcher._current.callsites.registry.sessions()
+    (session,) = bridge_fgo.instrument.patcher._current.callsites.registry.sessions()
     (engine,) = session.adapter.engines
     return session, engine
 

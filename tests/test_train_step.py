@@ -3,7 +3,7 @@ import functools
 
 
 import bridge_fgo
-from bridge_fgo.callsites import is_reloading_finalize
+from bridge_fgo.instrument.callsites import is_reloading_finalize
 from support import harness
 
 ORDER = ["zero_grad_buffer", "zero_grad", "offload", "param-buffer copy", "release", "forward-backward",

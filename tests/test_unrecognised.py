@@ -8,7 +8,8 @@ import logging
 import pytest
 
 import bridge_fgo
-from bridge_fgo import BridgeFGOError, diagnose
+from bridge_fgo import BridgeFGOError
+from bridge_fgo.instrument import diagnose
 from bridge_fgo.options import Options
 from conftest import BRIDGE
 

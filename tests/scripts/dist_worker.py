@@ -10,9 +10,9 @@ import torch
 import torch.distributed as dist
 
 import bridge_fgo
-from bridge_fgo.bootstrap import DIRECTORY
-from bridge_fgo.patcher import _Target
-from bridge_fgo.targets import TARGETS
+from bridge_fgo.cli.bootstrap import DIRECTORY
+from bridge_fgo.instrument.patcher import _Target
+from bridge_fgo.instrument.targets import TARGETS
 
 # The bootstrap a second time in this process: still one hook, the targets still wrapped once.
 runpy.run_path(os.path.join(DIRECTORY, "sitecustomize.py"), run_name="sitecustomize_again")

@@ -10,7 +10,7 @@ import wrapt.importer
 
 import bridge_fgo
 import sitecustomize
-from bridge_fgo.bootstrap import DIRECTORY
+from bridge_fgo.cli.bootstrap import DIRECTORY
 
 TRAIN = "megatron.bridge.training.train"
 

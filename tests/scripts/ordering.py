@@ -9,8 +9,8 @@ from support import te_free
 
 te_free.install()
 import bridge_fgo  # noqa: E402
-from bridge_fgo.patcher import _Target  # noqa: E402
-from bridge_fgo.targets import TARGETS  # noqa: E402
+from bridge_fgo.instrument.patcher import _Target  # noqa: E402
+from bridge_fgo.instrument.targets import TARGETS  # noqa: E402
 
 TRAIN, PRETRAIN = "megatron.bridge.training.train", "megatron.bridge.training.pretrain"
 

@@ -75,7 +75,7 @@ def _handler():
 def _envflags():
     """bridge_fgo's variable names and boolean words, from bridge_fgo/envflags.py by its path: readable
     even where bridge_fgo itself cannot be imported (and never importable from PYTHONPATH as `envflags`)."""
-    path = os.path.join(os.path.dirname(_HERE), "envflags.py")
+    path = os.path.join(os.path.dirname(os.path.dirname(_HERE)), "envflags.py")
     spec = importlib.util.spec_from_file_location("_bridge_fgo_envflags", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

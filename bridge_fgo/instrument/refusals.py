@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import List, Sequence
 
-from .errors import BridgeFGOConfigError
+from ..errors import BridgeFGOConfigError
 
 
 def _full_iteration_cuda_graph(model_cfg) -> bool:

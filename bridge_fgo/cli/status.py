@@ -8,8 +8,8 @@ import sys
 import tempfile
 from typing import Iterator, List, Optional, Sequence
 
-from . import __version__, options as options_mod
-from .errors import BridgeFGOOptionError
+from .. import __version__, options as options_mod
+from ..errors import BridgeFGOOptionError
 
 EXIT_CODES = """\
 exit status:
@@ -90,7 +90,7 @@ def _restore(saved: List[int]) -> None:
 def print_status(opts: options_mod.Options, as_json: bool = False, verbose: bool = False,
                  prog: str = "bridge-fgo status") -> int:
     """Diagnose, print the report (table or JSON) on stdout; returns the exit status (0 or 1)."""
-    from .diagnose import diagnose, exit_code
+    from ..instrument.diagnose import diagnose, exit_code
 
     with third_party_output(verbose, prog):
         report = diagnose(opts)

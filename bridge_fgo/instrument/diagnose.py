@@ -12,9 +12,10 @@ import importlib
 import sys
 from typing import Dict, List, Optional, Tuple
 
-from . import decide, generations, patcher, report as rpt, targets
-from .adapters import Generation
-from .options import Options, env_name, flag_name, from_env
+from .. import report as rpt, versions as versions_mod
+from . import decide, generations, patcher, targets
+from .generations import Generation
+from ..options import Options, env_name, flag_name, from_env
 
 
 def _import(name: str) -> Tuple[Optional[object], Optional[str]]:
@@ -79,7 +80,7 @@ def _mode_verdict(opts: Options, generation: Optional[Generation], mcore: str) -
 def host_memory_line() -> str:
     """What the builtin engine may pin here. Its own need (the optimizer states' bytes per rank) is
     known only once the model exists: the engine checks it before pinning and logs it per rank."""
-    from . import hostmem
+    from .. import hostmem
 
     mem, ranks = hostmem.host_memory(), hostmem.local_ranks()
     available = f"{hostmem.fmt_bytes(mem.bytes)} available ({mem.source})" if mem else "available memory unknown"
@@ -91,7 +92,7 @@ def diagnose(options: Optional[Options] = None) -> rpt.Report:
     """The status report for this environment, with its verdict. Imports Megatron-Bridge's target
     modules; raises BridgeFGOOptionError for a bad BRIDGE_FGO_* value when `options` is not given."""
     opts = options if options is not None else from_env()
-    versions = generations.versions()
+    versions = versions_mod.versions()
     bridge, mcore = versions.get("megatron-bridge"), versions.get("megatron-core")
     generation = generations.installed()
     report = rpt.Report(

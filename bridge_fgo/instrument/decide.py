@@ -11,11 +11,12 @@ from __future__ import annotations
 import logging
 from typing import List, Optional, Sequence, Tuple
 
-from . import adapters, config_checks, generations, report as rpt
-from .adapters import Generation
-from .errors import BridgeFGOConfigError, BridgeFGOError
-from .log import once, rank_prefix
-from .options import Options
+from .. import report as rpt, versions
+from . import generations, refusals
+from .generations import Generation
+from ..errors import BridgeFGOConfigError, BridgeFGOError
+from ..log import once, rank_prefix
+from ..options import Options
 from .session import Session
 
 
@@ -37,7 +38,7 @@ def way(options: Options, generation: Optional[Generation]) -> Optional[Generati
     if options.offload == "off":
         return None
     if options.offload == "builtin":
-        return adapters.BUILTIN
+        return generations.BUILTIN
     return generation if generation is not None and generation.has_offloader else None
 
 
@@ -87,7 +88,7 @@ def resolve(cfg, optimizer, options: Options) -> Optional[Session]:
     chosen = way(options, generation)
     if chosen is None:
         _not_acting(options.strict, ("no-fgo",),
-                    generation.unavailable(generations.megatron_core_version() or "unknown"))
+                    generation.unavailable(versions.megatron_core_version() or "unknown"))
         return None
-    config_checks.check(cfg, inner, dist_opts, who=chosen.who, extra=chosen.refusals(cfg, options))
+    refusals.check(cfg, inner, dist_opts, who=chosen.who, extra=chosen.refusals(cfg, options))
     return Session(optimizer, chosen.build(optimizer, cfg, dist_opts, options), mode=chosen.mode)

@@ -9,9 +9,10 @@ from typing import Dict, List, Optional, Tuple
 
 import wrapt
 
-from . import decide, generations, log, options as options_mod, report as rpt, targets
-from .errors import BridgeFGOError
-from .log import logger
+from .. import log, options as options_mod, report as rpt, versions
+from . import decide, generations, targets
+from ..errors import BridgeFGOError
+from ..log import logger
 
 
 class _Target(wrapt.FunctionWrapper):
@@ -37,7 +38,7 @@ _hook_registered = False
 
 
 def _bridge_version() -> str:
-    return generations.version("megatron-bridge") or "unknown"
+    return versions.version("megatron-bridge") or "unknown"
 
 
 def _on_target_module(_module) -> None:
@@ -90,7 +91,7 @@ def _apply(p: _Patch, modules) -> None:
     log.once(("patched",), logging.INFO,
              "%spatched megatron-bridge %s (%s%s); offload mode=%s; megatron-core %s offload: %s",
              log.rank_prefix(), _bridge_version(), ", ".join(built), f"; aliases {', '.join(p.aliases)}" if p.aliases else "",
-             p.options.offload, generations.megatron_core_version() or "unknown", _generation_name() or "unknown")
+             p.options.offload, versions.megatron_core_version() or "unknown", _generation_name() or "unknown")
 
 
 def _generation_name() -> Optional[str]:
@@ -200,7 +201,7 @@ def status() -> rpt.Report:
         strict=opts.strict,
         chunk_mb=opts.chunk_mb,
         generation=_generation_name(),
-        versions=generations.versions(),
+        versions=versions.versions(),
         targets=dict(layout.found) if layout else {},
         aliases=list(p.aliases) if p is not None else [],
         native_wiring=list(layout.native_wiring) if layout else [],

@@ -1,35 +1,10 @@
-"""Which Megatron-Core offload generation is installed (the generations themselves are declared in
-bridge_fgo/adapters/), and the versions of the packages that matter.
-"""
+"""The versions of the packages that matter: installed metadata, and the Megatron-Core actually loaded."""
 from __future__ import annotations
 
 import importlib.metadata
 import sys
 from typing import Dict, Optional
 
-from .adapters import Generation, of_classes
-
-
-def of_objects(objects) -> Generation:
-    """The generation of the optimizers in hand (the chain's children first, then the chain)."""
-    return of_classes(type(o) for o in objects)
-
-
-def installed() -> Optional[Generation]:
-    """Generation of the installed Megatron-Core, importing its optimizer module; None if absent."""
-    try:
-        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-        from megatron.core.optimizer.optimizer import MegatronOptimizer
-    except Exception:
-        return None
-    return of_classes((MegatronOptimizer, DistributedOptimizer))
-
-
-def installed_if_loaded() -> Optional[Generation]:
-    """Like installed(), without importing anything: None until Megatron-Core's optimizer is loaded."""
-    if "megatron.core.optimizer.distrib_optimizer" not in sys.modules:
-        return None
-    return installed()
 
 
 def version(dist: str) -> Optional[str]:

@@ -10,8 +10,8 @@ import threading
 import weakref
 from typing import Dict, List, Optional, Tuple
 
-from .adapters.base import Adapter
-from .log import logger, rank_prefix
+from .generations.base import Adapter
+from ..log import logger, rank_prefix
 
 RESIDENT, OFFLOADED, RELEASED, RELOADING = "resident", "offloaded", "released", "reloading"
 
@@ -116,7 +116,7 @@ class Session:
             msg = (f"{rank_prefix()}offload was requested (mode={self.mode}) but no offload happened in "
                    f"{self.steps} training step(s)")
             if strict:
-                from .errors import BridgeFGOError
+                from ..errors import BridgeFGOError
 
                 raise BridgeFGOError(msg)
             logger.warning(msg)

@@ -11,7 +11,7 @@ import sys
 import types
 from typing import Dict, Iterator, List, Mapping, Optional, Tuple
 
-from .adapters import native_wiring_names
+from .generations import native_wiring_names
 
 # Roles: which call site wraps a target (callsites.CallSites.site). A new role is a new method there.
 LOOP = "loop"  # the training loop: decides per optimizer, states resident at its end, summary

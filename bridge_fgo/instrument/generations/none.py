@@ -9,8 +9,8 @@ from __future__ import annotations
 import time
 from typing import List
 
-from .. import options as options_mod
-from ..log import logger, rank_prefix
+from ... import options as options_mod
+from ...log import logger, rank_prefix
 from .base import Adapter, Generation
 
 FIX = "use bridge_fgo's builtin engine: " + options_mod.how_to_set("offload", "builtin")
@@ -23,14 +23,14 @@ class BuiltinAdapter(Adapter):
     def __init__(self, dist_optimizers: List[object], chunk_mb: int = options_mod.DEFAULT_CHUNK_MB):
         # imported here, not at the top: the registry is read by `import bridge_fgo`, which must
         # not load the engine (and whatever it imports) in processes that never train
-        from ..engine import Engine
-        from ..streamed import MIB, StreamedEngine
+        from ...engine import Engine
+        from ...streamed import MIB, StreamedEngine
 
         self.chunk_mb = chunk_mb
         self.engines = [StreamedEngine(o, chunk_mb * MIB) if chunk_mb else Engine(o) for o in dist_optimizers]
 
     def prepare(self) -> None:
-        from .. import hostmem
+        from ... import hostmem
 
         t0 = time.perf_counter()
         # every rank of the node pins its share: refused here, before any of it, if the node lacks it
@@ -106,7 +106,7 @@ class _None(Generation):
     def refusals(self, cfg, options) -> List[str]:
         if not options.chunk_mb:
             return []
-        from ..streamed import problems  # the streamed step's own limits
+        from ...streamed import problems  # the streamed step's own limits
 
         return problems(cfg)
 

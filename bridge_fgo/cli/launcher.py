@@ -14,9 +14,9 @@ import os
 import sys
 from typing import List, Mapping, Optional, Sequence
 
-from . import __version__, options as options_mod
-from .cli import add_option_flags, add_verbose, options_from
-from .errors import BridgeFGOOptionError
+from .. import __version__, options as options_mod
+from .status import add_option_flags, add_verbose, options_from
+from ..errors import BridgeFGOOptionError
 
 PROG = "bridge-fgo-run"
 
@@ -161,7 +161,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          f"(known: {', '.join(options_mod.known_env())})\n")
 
     if args.check:
-        from .cli import print_status
+        from .status import print_status
 
         if command:
             sys.stderr.write(f"{PROG}: --check: {command[0]} is not run\n")

@@ -21,8 +21,8 @@ from typing import Dict, Optional, Tuple
 import wrapt
 
 from . import decide, targets
-from .errors import BridgeFGOConfigError
-from .options import Options
+from ..errors import BridgeFGOConfigError
+from ..options import Options
 from .session import Registry, Session
 from .targets import Layout, argument
 
