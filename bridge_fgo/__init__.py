@@ -6,11 +6,11 @@
 Importing this package imports neither torch nor Megatron.
 """
 from .errors import BridgeFGOConfigError, BridgeFGOError, BridgeFGOOptionError
-from .instrument.patcher import is_patched, patch, status, unpatch
+from .instrument.patcher import is_patched, patch, status, synchronize, unpatch
 from .report import Report
 
 __version__ = "0.1.0"
 __all__ = [
-    "patch", "unpatch", "status", "is_patched", "Report",
+    "patch", "unpatch", "status", "is_patched", "synchronize", "Report",
     "BridgeFGOError", "BridgeFGOConfigError", "BridgeFGOOptionError", "__version__",
 ]

@@ -65,6 +65,25 @@ def _count_text(opt: "Option", raw: str, source: str) -> int:
     return _count(opt, value, source)
 
 
+def _gib(opt: "Option", value, source: str):
+    if value is None:
+        return None
+    # bool is a number to Python; a budget is a size
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value < float("inf")):
+        raise BridgeFGOOptionError(f"{source}={value!r} is not {opt.what}; allowed: a number of GiB > 0 "
+                                   "(unset: offload everything)")
+    return float(value)
+
+
+def _gib_text(opt: "Option", raw: str, source: str):
+    text = raw.strip()
+    try:
+        value = float(text) if re.fullmatch(r"[0-9]*\.?[0-9]+(e[+-]?[0-9]+)?", text, re.I) else raw
+    except ValueError:
+        value = raw
+    return _gib(opt, value, source)
+
+
 def _as_is(opt: "Option", value, source: str):
     return value
 
@@ -105,6 +124,10 @@ OPTIONS: Tuple[Option, ...] = (
            help="patch nothing (escape hatch); the command still runs"),
     Option("chunk_mb", DEFAULT_CHUNK_MB, what="a window size in MB", check=_count, parse=_count_text, metavar="N",
            help="the builtin engine's window: MB of optimizer states moved at a time (0 = one window)"),
+    Option("gpu_budget_gib", None, what="a GPU memory budget", check=_gib, parse=_gib_text, metavar="GIB",
+           help="the builtin engine keeps as many parameters' optimizer states on the GPU as fit under this "
+                "peak (GiB, per rank, judged by the first step's measured peak) and streams only the rest; "
+                "unset: everything is offloaded. Needs chunk_mb > 0"),
 )
 _BY_NAME = {o.name: o for o in OPTIONS}
 
@@ -116,6 +139,10 @@ def option(name: str) -> Option:
 def _validate(self) -> None:
     for opt in OPTIONS:
         opt.check(opt, getattr(self, opt.name), opt.name)
+    if self.gpu_budget_gib is not None and self.chunk_mb == 0:
+        raise BridgeFGOOptionError(f"gpu_budget_gib={self.gpu_budget_gib!r} needs the streamed step: chunk_mb=0 "
+                                   "(one window) brings every state back for the optimizer step; drop the budget "
+                                   f"or set chunk_mb > 0 (default {DEFAULT_CHUNK_MB})")
 
 
 Options = dataclasses.make_dataclass(

@@ -24,6 +24,7 @@ class Report:
     generation: Optional[str]
     versions: Dict[str, Optional[str]]
     chunk_mb: Optional[int] = None  # the builtin engine's window (options.DEFAULT_CHUNK_MB unless set)
+    gpu_budget_gib: Optional[float] = None  # the builtin engine's GPU budget (None: offload everything)
     host_memory: Optional[str] = None  # what the builtin engine may pin on this node (diagnose only)
     targets: Dict[str, bool] = dataclasses.field(default_factory=dict)
     aliases: List[str] = dataclasses.field(default_factory=list)
@@ -54,6 +55,8 @@ class Report:
                 ("strict", "yes" if self.strict else "no")]
         if self.chunk_mb is not None:
             rows.append(("builtin engine window", f"{self.chunk_mb} MB" if self.chunk_mb else "0 (one window)"))
+            rows.append(("builtin engine GPU budget", f"{self.gpu_budget_gib:g} GiB" if self.gpu_budget_gib
+                         else "none (everything offloaded)"))
         if self.host_memory:
             rows.append(("host memory", self.host_memory))
         if self.executable:

@@ -35,16 +35,18 @@ def command(args, env=None, timeout=180):
 
 def test_every_option_reaches_patch_the_environment_and_both_commands():
     names = [o.name for o in options.OPTIONS]
-    assert names == ["offload", "strict", "disable", "chunk_mb"]
+    assert names == ["offload", "strict", "disable", "chunk_mb", "gpu_budget_gib"]
     assert [f.name for f in __import__("dataclasses").fields(Options)] == names
     assert options.known_env() == ("BRIDGE_FGO_OFFLOAD", "BRIDGE_FGO_STRICT", "BRIDGE_FGO_DISABLE",
-                                   "BRIDGE_FGO_CHUNK_MB")
-    assert set(inspect.signature(bridge_fgo.patch).parameters) == {"offload", "strict", "chunk_mb"}
+                                   "BRIDGE_FGO_CHUNK_MB", "BRIDGE_FGO_GPU_BUDGET_GIB")
+    # patch() takes every option but disable (the escape hatch lives in the environment and the launcher)
+    assert set(inspect.signature(bridge_fgo.patch).parameters) == set(names) - {"disable"}
     run_flags = {a.option_strings[0] for a in launcher.parser()._actions if a.option_strings}
-    assert {"--offload", "--strict", "--disable", "--chunk-mb"} <= run_flags
+    assert {"--offload", "--strict", "--disable", "--chunk-mb", "--gpu-budget-gib"} <= run_flags
     _, status = cli.parsers()
     status_flags = {a.option_strings[0] for a in status._actions if a.option_strings}
-    assert {"--offload", "--strict", "--chunk-mb"} <= status_flags and "--disable" not in status_flags
+    assert {"--offload", "--strict", "--chunk-mb", "--gpu-budget-gib"} <= status_flags
+    assert "--disable" not in status_flags
 
 
 def test_chunk_mb_default_and_values():
@@ -70,12 +72,39 @@ def test_bad_chunk_mb_in_the_environment(raw, monkeypatch):
         bridge_fgo.patch()
 
 
-def test_chunk_mb_reaches_the_builtin_adapter():
-    bridge_fgo.patch(offload="builtin", chunk_mb=64)
+def test_chunk_mb_and_budget_reach_the_builtin_engine():
+    bridge_fgo.patch(offload="builtin", chunk_mb=64, gpu_budget_gib=1.5)
     rig = harness.Rig(cfg=harness.config_container(mxfp8_copy=False), with_tensors=True)
     harness.run_steps(rig, steps=1)
     session = next(iter(bridge_fgo.instrument.patcher._current.callsites.registry.sessions()))
-    assert session.adapter.chunk_mb == 64 and len(session.adapter.engines) == 1
+    engine = session.adapter.engine
+    assert session.adapter.chunk_mb == 64 and engine.chunk_bytes == 64 * 2**20
+    assert engine.budget_bytes == int(1.5 * 2**30) and len(engine.parts) == 1
+
+
+def test_gpu_budget_values():
+    assert Options().gpu_budget_gib is None
+    assert options.from_env({"BRIDGE_FGO_GPU_BUDGET_GIB": " 16.5 "}).gpu_budget_gib == 16.5
+    assert options.from_env({"BRIDGE_FGO_GPU_BUDGET_GIB": "40"}).gpu_budget_gib == 40.0
+    for bad in (0, -1, True, "8", float("inf"), float("nan")):
+        with pytest.raises(BridgeFGOOptionError, match=r"gpu_budget_gib=.* is not a GPU memory budget; allowed: a "
+                                                       r"number of GiB > 0"):
+            bridge_fgo.patch(gpu_budget_gib=bad)
+    for raw in ("0", "-2", "lots", "", "1e999"):
+        with pytest.raises(BridgeFGOOptionError, match="BRIDGE_FGO_GPU_BUDGET_GIB=.* is not a GPU memory budget"):
+            options.from_env({"BRIDGE_FGO_GPU_BUDGET_GIB": raw})
+    with pytest.raises(BridgeFGOOptionError, match="needs the streamed step"):
+        options.from_env({"BRIDGE_FGO_GPU_BUDGET_GIB": "8", "BRIDGE_FGO_CHUNK_MB": "0"})
+    assert not bridge_fgo.is_patched()
+
+
+def test_launcher_exports_and_refuses_the_budget(tmp_path):
+    proc = command(["bridge-fgo-run", "--gpu-budget-gib", "12.5", "--print-env"])
+    assert proc.returncode == 0 and "export BRIDGE_FGO_GPU_BUDGET_GIB=12.5" in proc.stdout.splitlines()
+    marker = tmp_path / "ran"
+    proc = command(["bridge-fgo-run", "--gpu-budget-gib", "-1", "python", "-c",
+                    "open(__import__('sys').argv[1], 'w')", str(marker)])
+    assert proc.returncode == 2 and "is not a GPU memory budget" in proc.stderr and not marker.exists()
 
 
 def test_status_shows_the_window(train_module):

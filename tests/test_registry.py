@@ -38,7 +38,7 @@ class Fourth(Generation):
     def requested(self, cfg):
         return bool(getattr(cfg.optimizer, "fourth_offload", False))
 
-    def refusals(self, cfg, options):
+    def refusals(self, cfg, options, inner_optimizers):
         return ["cfg.optimizer.lr=0.5: the fourth offloader refuses it"] if cfg.optimizer.lr == 0.5 else []
 
     def build(self, optimizer, cfg, dist_optimizers, options):

@@ -19,7 +19,7 @@ from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, S
 from megatron.core.optimizer import distrib_optimizer
 from megatron.core.optimizer.optimizer import param_group_identifier_keys
 
-from bridge_fgo.streamed import StreamedEngine
+from bridge_fgo.engine.streamed import StreamedEngine
 from support import harness
 from test_streamed import assert_same, make, params, snapshot, step
 
@@ -145,7 +145,7 @@ def test_resumed_optimizer_under_the_streamed_engine_equals_the_uninterrupted_ru
     for _ in range(2):
         step(uninterrupted)
     resumed = resume(uninterrupted)
-    engine = StreamedEngine(resumed, 2000)
+    engine = StreamedEngine([resumed], 2000)
     engine.prepare()
     for _ in range(3):
         step(uninterrupted)

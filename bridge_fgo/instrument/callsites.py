@@ -20,8 +20,10 @@ from typing import Dict, Optional, Tuple
 
 import wrapt
 
+from .. import agree
 from . import decide, targets
 from ..errors import BridgeFGOConfigError
+from ..log import logger, rank_prefix
 from ..options import Options
 from .session import Registry, Session
 from .targets import Layout, argument
@@ -81,14 +83,35 @@ class CallSites:
 
     # -- deciding ---------------------------------------------------------------------------------
     def _session(self, which: str, args, kwargs) -> Optional[Session]:
+        """The optimizer's Session, decided at its first train()/train_step() call.
+
+        A refusal must stop every rank, not one rank while the others wait in their next collective
+        until a timeout: each rank decides and checks (its configuration, its host memory) without
+        allocating anything, then all ranks share their verdicts (agree.py) and raise together, and
+        only then does any rank pin."""
         optimizer = argument(self.index[which], "optimizer", args, kwargs)
         if optimizer is None:
             return None
         known, session = self.registry.lookup(optimizer)
         if known:
             return session
-        state = argument(self.index[which], "global_state", args, kwargs)
-        return self.registry.add(optimizer, decide.resolve(getattr(state, "cfg", None), optimizer, self.options))
+        cfg = getattr(argument(self.index[which], "global_state", args, kwargs), "cfg", None)
+        collective = decide.acts(cfg, optimizer, self.options)
+        problem = None
+        try:
+            session = decide.resolve(cfg, optimizer, self.options)
+            if session is not None:
+                session.check()
+        except BridgeFGOConfigError as err:
+            if not collective:
+                raise
+            problem = str(err)
+        if collective:
+            agree.agree(problem, "optimizer-state offload")
+        self.registry.add(optimizer, session)
+        if session is not None:
+            session.prepare()
+        return session
 
     def _install_finalize(self, model) -> None:
         from megatron.core.utils import get_model_config
@@ -115,7 +138,7 @@ class CallSites:
         session = self._session(name, args, kwargs) if self.enabled else None
         if session is None:
             return wrapped(*args, **kwargs)
-        session.prepare()
+        optimizer = argument(self.index[name], "optimizer", args, kwargs)
         self._install_finalize(argument(self.index[name], "model", args, kwargs))
         ok = False
         try:
@@ -123,20 +146,21 @@ class CallSites:
             ok = True
             return result
         finally:
-            session.ensure_resident()
-            if ok:
-                session.summary(strict=self.options.strict)
-            else:
-                try:
-                    session.summary(strict=False)
-                except Exception:  # never mask the training exception
-                    pass
+            # the training is over: nothing it pinned outlives it; the next train() decides afresh
+            try:
+                if session.end_training():
+                    self.registry.remove(optimizer)
+                session.summary(strict=self.options.strict and ok)
+            except Exception:
+                if ok:
+                    raise
+                logger.exception("%sbridge_fgo could not close its session after train() failed",
+                                 rank_prefix())  # never mask the training exception
 
     def train_step(self, name, wrapped, instance, args, kwargs):
         session = self._session(name, args, kwargs) if self.enabled else None
         if session is None:
             return wrapped(*args, **kwargs)
-        session.prepare()
         self._install_finalize(argument(self.index[name], "model", args, kwargs))
         token = self._current.set(session)
         try:
@@ -168,6 +192,10 @@ class CallSites:
             session.reload_end()
 
     # -- undoing ----------------------------------------------------------------------------------
+    def synchronize(self) -> None:
+        for session in self.registry.sessions():
+            session.adapter.synchronize()
+
     def close(self) -> None:
         """States resident, host buffers dropped, finalize functions restored, wrappers transparent."""
         for session in self.registry.clear():

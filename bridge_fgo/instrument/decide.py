@@ -72,6 +72,18 @@ def _not_acting(strict: bool, key, msg: str) -> None:
     once(key, logging.WARNING, "%s%s", rank_prefix(), msg)
 
 
+def acts(cfg, optimizer, options: Options) -> bool:
+    """Whether offload will be set up for this optimizer (a Session, or a refusal): the same answer
+    on every rank, from the options, the config and the optimizer's class only, so every rank knows
+    whether the others take part in agreeing on it."""
+    if options.offload == "off":
+        return False
+    if options.offload == "builtin":
+        return True
+    generation = generation_of(optimizer, distributed_optimizers(inner_optimizers(optimizer)))
+    return generation.requested(cfg) and generation.has_offloader
+
+
 def resolve(cfg, optimizer, options: Options) -> Optional[Session]:
     """A Session when offload will run for this optimizer; None (after saying why, where it matters)."""
     if options.offload == "off":
@@ -90,5 +102,5 @@ def resolve(cfg, optimizer, options: Options) -> Optional[Session]:
         _not_acting(options.strict, ("no-fgo",),
                     generation.unavailable(versions.megatron_core_version() or "unknown"))
         return None
-    refusals.check(cfg, inner, dist_opts, who=chosen.who, extra=chosen.refusals(cfg, options))
+    refusals.check(cfg, inner, dist_opts, who=chosen.who, extra=chosen.refusals(cfg, options, [getattr(o, 'optimizer', o) for o in dist_opts]))
     return Session(optimizer, chosen.build(optimizer, cfg, dist_opts, options), mode=chosen.mode)

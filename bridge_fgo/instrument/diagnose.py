@@ -97,6 +97,7 @@ def diagnose(options: Optional[Options] = None) -> rpt.Report:
     generation = generations.installed()
     report = rpt.Report(
         patched=False, outcome=rpt.NOT_PATCHED, mode=opts.offload, strict=opts.strict, chunk_mb=opts.chunk_mb,
+        gpu_budget_gib=opts.gpu_budget_gib,
         generation=generation.name if generation else None, versions=versions, predicted=True,
         offload_ready=False, executable=sys.executable, generation_meaning=_mcore_meaning(generation, mcore),
         host_memory=host_memory_line(),

@@ -104,18 +104,20 @@ def _describe(opts: options_mod.Options) -> str:
 
 
 def patch(*, strict: Optional[bool] = None, offload: Optional[str] = None,
-          chunk_mb: Optional[int] = None) -> rpt.Report:
+          chunk_mb: Optional[int] = None, gpu_budget_gib: Optional[float] = None) -> rpt.Report:
     """Wire optimizer-state offload into Megatron-Bridge's training loop, now or when it is imported.
 
     strict: raise BridgeFGOError where bridge_fgo would otherwise warn and not act.
     offload: 'auto' (default), 'builtin' or 'off'.
     chunk_mb: the builtin engine's window in MB, an int >= 0 (0 = one window; default
     options.DEFAULT_CHUNK_MB).
+    gpu_budget_gib: the builtin engine keeps as many parameters' states on the GPU as fit under this
+    per-rank peak (GiB) and streams the rest; None (default): everything is offloaded.
     Unset arguments come from BRIDGE_FGO_* variables (options.OPTIONS); a bad value raises
     BridgeFGOOptionError (a ValueError).
     """
     global _current, _hook_registered
-    opts = options_mod.from_env(strict=strict, offload=offload, chunk_mb=chunk_mb)
+    opts = options_mod.from_env(strict=strict, offload=offload, chunk_mb=chunk_mb, gpu_budget_gib=gpu_budget_gib)
     with _lock:
         if _current is not None and _current.active:
             if opts != _current.options:  # e.g. a script's own patch(offload=...) under bridge-fgo-run
@@ -165,6 +167,16 @@ def unpatch() -> rpt.Report:
         return status()
 
 
+def synchronize() -> None:
+    """Wait for every copy bridge_fgo has in flight. The builtin engine's last device-to-host copies
+    of an update overlap the next forward pass; Megatron-Core's methods that read optimizer state
+    (state_dict, sharded_state_dict, ...) wait for them by themselves. Call this before reading
+    `optimizer.optimizer.state` or the master weights directly between steps."""
+    p = _current
+    if p is not None and p.callsites is not None:
+        p.callsites.synchronize()
+
+
 def is_patched() -> bool:
     p = _current
     return bool(p is not None and p.active and p.outcome == rpt.PATCHED)
@@ -200,6 +212,7 @@ def status() -> rpt.Report:
         mode=opts.offload,
         strict=opts.strict,
         chunk_mb=opts.chunk_mb,
+        gpu_budget_gib=opts.gpu_budget_gib,
         generation=_generation_name(),
         versions=versions.versions(),
         targets=dict(layout.found) if layout else {},

@@ -1,8 +1,10 @@
 """Configurations optimizer-state offload cannot serve, refused before the first step.
 
 Each check names the field and the fix. A generation's own refusals come from its declaration
-(adapters/<generation>.py) and are listed first. The shared list follows Megatron-LM's own argument checks for
-offload (distributed optimizer, adam, no Megatron-FSDP) and what cannot be combined with it.
+(generations/<generation>.py, built from the helpers here) and are listed first. The shared list
+follows Megatron-LM's own argument checks for offload (distributed optimizer, adam, no
+Megatron-FSDP) and what cannot be combined with it. The builtin engine's streamed step adds its
+own (streamed()).
 """
 from __future__ import annotations
 
@@ -71,3 +73,58 @@ def check(cfg, inner_optimizers: List[object], dist_optimizers: List[object], wh
         raise BridgeFGOConfigError(
             "optimizer-state offload cannot run with this configuration:\n  - " + "\n  - ".join(found)
         )
+
+
+def _saves_or_loads_optim(ckpt):
+    saves = bool(getattr(ckpt, "save", None) and getattr(ckpt, "save_optim", True))
+    loads = bool(getattr(ckpt, "load", None) and getattr(ckpt, "load_optim", True))
+    return saves, loads
+
+
+def checkpoint(cfg, why_async: str, fix: str = "") -> List[str]:
+    """What an engine that keeps optimizer state in host buffers between steps cannot checkpoint:
+    an asynchronous save of optimizer state (`why_async`), and any format but torch_dist."""
+    ckpt = getattr(cfg, "checkpoint", None)
+    if ckpt is None:
+        return []
+    saves, loads = _saves_or_loads_optim(ckpt)
+    out = []
+    if saves and getattr(ckpt, "async_save", False):
+        out.append(f"cfg.checkpoint.async_save=True while optimizer state is saved: {why_async}; set "
+                   f"async_save=False or save_optim=False{fix}")
+    if (saves or loads) and getattr(ckpt, "ckpt_format", "torch_dist") != "torch_dist":
+        out.append(f"cfg.checkpoint.ckpt_format={ckpt.ckpt_format!r}: optimizer state kept in host buffers is "
+                   f"saved and loaded per rank only by 'torch_dist'; set ckpt_format='torch_dist'{fix}")
+    return out
+
+
+def streamed(cfg, inner_optimizers) -> List[str]:
+    """What the builtin engine's streamed step (chunk_mb > 0) cannot serve, each with its field and
+    the fix; the one-window engine (chunk_mb=0) serves all of these."""
+    from ..engine import contracts
+
+    opt, ddp = getattr(cfg, "optimizer", None), getattr(cfg, "ddp", None)
+    model, log_cfg = getattr(cfg, "model", None), getattr(cfg, "logger", None)
+    fix = "; or use the one-window engine: chunk_mb=0 (bridge-fgo-run --chunk-mb 0, BRIDGE_FGO_CHUNK_MB=0)"
+    out = []
+    if getattr(opt, "reuse_grad_buf_for_mxfp8_param_ag", False):
+        out.append("cfg.optimizer.reuse_grad_buf_for_mxfp8_param_ag=True: the MXFP8 param-buffer copy reads all "
+                   f"master weights outside the optimizer step; set it to False{fix}")
+    for name in ("fp8_param_gather", "fp4_param_gather"):
+        if getattr(ddp, name, False):
+            out.append(f"cfg.ddp.{name}=True: quantizing master weights into parameters is one collective over all "
+                       f"of them, which a chunked update cannot split; set it to False{fix}")
+    if getattr(model, "qk_clip", False):
+        out.append("cfg.model.qk_clip=True: clip_qk rewrites the query/key master weights on the GPU right after "
+                   f"the optimizer step, where the streamed step keeps them on the host; set it to False{fix}")
+    if log_cfg is not None and getattr(log_cfg, "log_params_norm", False):
+        out.append("cfg.logger.log_params_norm=True: the parameter norm is computed on the GPU from the master "
+                   f"weights, which live on the host between steps; set it to False{fix}")
+    out += checkpoint(cfg, "a background writer would read host buffers that the next step rewrites", fix)
+    ckpt = getattr(cfg, "checkpoint", None)
+    if ckpt is not None and any(_saves_or_loads_optim(ckpt)) and getattr(ckpt, "dist_ckpt_optim_fully_reshardable",
+                                                                         False):
+        out.append("cfg.checkpoint.dist_ckpt_optim_fully_reshardable=True gathers optimizer state over the GPU "
+                   f"network; set it to False (per-rank 'dp_reshardable' is the default){fix}")
+    out += [f"{p}" for p in contracts.streamed_problems(inner_optimizers)]
+    return out

@@ -6,12 +6,13 @@ finalization on, the optimizer states are resident on the GPU and readable on th
 """
 from __future__ import annotations
 
+import logging
 import threading
 import weakref
 from typing import Dict, List, Optional, Tuple
 
 from .generations.base import Adapter
-from ..log import logger, rank_prefix
+from ..log import logger, once, rank_prefix
 
 RESIDENT, OFFLOADED, RELEASED, RELOADING = "resident", "offloaded", "released", "reloading"
 
@@ -29,6 +30,7 @@ class Session:
         self.steps = 0
         self.announced = False
         self.prepared = False
+        self.closed = False
 
     # -- the three call sites ------------------------------------------------------------------
     def offload(self) -> None:
@@ -66,16 +68,34 @@ class Session:
 
     def ensure_resident(self) -> None:
         """Whatever happened, leave states whole where readers find them (train_step exit, train end,
-        unpatch): on the GPU, or, for the streamed step, in the host buffer with every copy done."""
+        unpatch): on the GPU, or, for the streamed step, bound to the host buffer (copies still in
+        flight are waited for by what reads them)."""
         self.reload_begin()
         self.reload_end()
         self.adapter.settle()
 
-    # -- reporting ------------------------------------------------------------------------------
+    # -- lifetime -------------------------------------------------------------------------------
+    def check(self) -> None:
+        """What this rank cannot serve, before anything is allocated (BridgeFGOConfigError)."""
+        self.adapter.check()
+
     def prepare(self) -> None:
         if not self.prepared:
             self.adapter.prepare()
             self.prepared = True
+
+    def end_training(self) -> bool:
+        """train() returned (or raised): close, so nothing pinned outlives the training, unless the
+        states no longer fit on the GPU (then they stay on the host, said once). True if closed."""
+        self.ensure_resident()
+        self.adapter.synchronize()
+        kept = self.adapter.keeps_on_host()
+        if kept:
+            once(("kept-on-host",), logging.WARNING, "%s%s", rank_prefix(), kept)
+            return False
+        self.adapter.close()
+        self.closed = True
+        return True
 
     def snapshot(self) -> Dict[str, object]:
         return {
@@ -95,9 +115,11 @@ class Session:
         self.announced = True
         d = self.adapter.describe()
         # the steady figure: Adam's moments do not exist before the first step, the plan counts them
+        inner = d.get("inner_optimizers")
         logger.info(
-            "%soffload active: mode=%s, %s optimizer(s), %s tensor(s), %s bytes offloaded per step%s",
-            rank_prefix(), self.mode, d.get("optimizers", "?"), d.get("tensors", "?"),
+            "%soffload active: mode=%s, %s optimizer(s)%s, %s tensor(s), %s bytes offloaded per step%s",
+            rank_prefix(), self.mode, d.get("optimizers", "?"), f" ({', '.join(inner)})" if inner else "",
+            d.get("tensors", "?"),
             d.get("bytes", self.bytes_offloaded if self.bytes_known else "?"),
             f"; {self.adapter.window()}" if self.adapter.window() else "",
         )
@@ -122,8 +144,12 @@ class Session:
             logger.warning(msg)
 
     def close(self) -> None:
+        if self.closed:
+            return
         self.ensure_resident()
+        self.adapter.synchronize()
         self.adapter.close()
+        self.closed = True
 
 
 class Registry:
@@ -143,10 +169,27 @@ class Registry:
     def add(self, optimizer, session: Optional[Session]) -> Optional[Session]:
         with self._lock:
             key = id(optimizer)
-            self._by_id[key] = (weakref.ref(optimizer), session)
-            # drop the entry when the optimizer goes away, so a reused id never matches
-            weakref.finalize(optimizer, self._by_id.pop, key, None)
+            # drop the entry when the optimizer goes away, so a reused id never matches; its session
+            # goes with it (the engine's pinned buffer has a finalizer of its own)
+            ref = weakref.ref(optimizer, lambda r, key=key: self._forget(key, r))
+            self._by_id[key] = (ref, session)
         return session
+
+    def _forget(self, key: int, ref) -> None:
+        with self._lock:
+            entry = self._by_id.get(key)
+            if entry is not None and entry[0] is ref:
+                del self._by_id[key]
+
+    def remove(self, optimizer) -> None:
+        """Forget the decision: the next train() with this optimizer decides (and pins) afresh."""
+        with self._lock:
+            entry = self._by_id.get(id(optimizer))
+            if entry is not None and entry[0]() is optimizer:
+                del self._by_id[id(optimizer)]
+
+    def __len__(self) -> int:
+        return sum(1 for ref, _ in list(self._by_id.values()) if ref() is not None)
 
     def sessions(self) -> List[Session]:
         return [e[1] for e in list(self._by_id.values()) if e[1] is not None and e[0]() is not None]

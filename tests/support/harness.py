@@ -53,20 +53,33 @@ class ModelChunk:
         self.events.add("zero_grad_buffer")
 
 
+OPTIMIZERS = ("torch", "te", "apex")  # what Megatron-Core builds: torch AdamW, TE's or apex's FusedAdam
+
+
 def make_distributed_optimizer(events: Recorder, with_tensors: bool = False, seed: int = 0,
-                               shapes=((8, 8), (4, 8)), foreach=None, device="cpu"):
+                               shapes=((8, 8), (4, 8)), foreach=None, device="cpu", optimizer: str = "torch",
+                               precision_aware: bool = False, groups: int = 1, **te_kw):
     """A real megatron.core DistributedOptimizer instance without its GPU-bound constructor.
 
     with_tensors: give it what the engines read, laid out as Megatron-Core does: bf16 model params
     (`shapes`) as views of one param buffer, fp32 master shards that own their storage, an fp32 model
-    param whose shard aliases it, a real torch AdamW over the shards (`foreach` passed through), and
-    the range maps Megatron-Core's own step_with_ready_grads / _copy_main_params_to_model_params read.
+    param whose shard aliases it, the inner optimizer over the shards, and the range maps
+    Megatron-Core's own step_with_ready_grads / _copy_main_params_to_model_params read.
+    optimizer: "torch" (a real torch AdamW, `foreach` passed through), "te" or "apex" (the stand-ins of
+    support/fused_adam.py, built with the arguments Megatron-Core gives them; `te_kw` adds
+    exp_avg_dtype, exp_avg_sq_dtype, store_param_remainders, capturable).
+    precision_aware: Megatron-Core's use_precision_aware_optimizer (TE only): the optimizer steps the
+    bf16 parameter shards themselves, keeps the fp32 masters in its state (master_param) and reads
+    gradients from `decoupled_grad`; shard_fp32_from_float16_groups holds None.
+    groups: param groups (parameters dealt round-robin), as Megatron-Core makes them for weight decay
+    and learning-rate multipliers.
     device: where the "GPU" tensors live (cpu in the tests; cuda in scripts/check_streamed_cuda.py)."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer, Range
 
     class StandInDistributedOptimizer(DistributedOptimizer):
         def __init__(self):  # noqa: D401 - the real one needs a model and a GPU
             self.events = events
+            self.precision_aware = False
 
         def _copy_main_params_to_param_buffer(self):
             self.events.add("param-buffer copy")
@@ -79,8 +92,12 @@ def make_distributed_optimizer(events: Recorder, with_tensors: bool = False, see
 
             for group in self.optimizer.param_groups:
                 for p in group["params"]:
-                    g = torch.arange(p.numel(), dtype=p.dtype, device=p.device).view(p.shape)
-                    p.grad = torch.sin(g * 0.37 + self._gen)
+                    g = torch.arange(p.numel(), dtype=torch.float32, device=p.device).view(p.shape)
+                    g = torch.sin(g * 0.37 + self._gen)
+                    if self.precision_aware:
+                        p.decoupled_grad = g  # Megatron-Core attaches the fp32 main-grad shard so
+                    else:
+                        p.grad = g.to(p.dtype)
             self._gen += 1
             return self.step_with_ready_grads()
 
@@ -117,12 +134,23 @@ def make_distributed_optimizer(events: Recorder, with_tensors: bool = False, see
                            {torch.float32: [{"param_map": {fp32_model: ranges(0, 16)}}]}]
         opt.model_float16_groups = [model16]
         opt.model_fp32_groups = [[fp32_model]]
-        opt.shard_fp32_from_float16_groups = [[p.detach().view(-1).clone().float() for p in model16]]
+        opt.shard_float16_groups = [[p.detach().view(-1) for p in model16]]
         opt.shard_fp32_groups = [[fp32_model.detach().view(-1)[:16]]]  # aliases the model parameter
-        opt.optimizer = torch.optim.AdamW([*opt.shard_fp32_from_float16_groups[0], *opt.shard_fp32_groups[0]],
-                                          lr=1e-2, foreach=foreach)
+        if precision_aware:  # the optimizer holds the masters
+            opt.shard_fp32_from_float16_groups = [[None for _ in model16]]
+            mains = [*opt.shard_float16_groups[0], *opt.shard_fp32_groups[0]]
+        else:
+            opt.shard_fp32_from_float16_groups = [[p.detach().view(-1).clone().float() for p in model16]]
+            mains = [*opt.shard_fp32_from_float16_groups[0], *opt.shard_fp32_groups[0]]
+        param_groups = [{"params": mains[i::groups], "wd_mult": 1.0 / (i + 1)} for i in range(groups)]
+        # what DistributedOptimizer.__init__ builds for its checkpoint readers: model param -> (group, index)
+        opt.model_param_group_index_map = {model: (j % groups, j // groups)
+                                           for j, model in enumerate([*model16, fp32_model])}
+        opt.optimizer = _inner_optimizer(optimizer, param_groups, foreach, precision_aware, te_kw)
+        opt.precision_aware = precision_aware
         opt.config = ns(timers=None, reuse_grad_buf_for_mxfp8_param_ag=False, barrier_with_L1_time=False,
-                        use_precision_aware_optimizer_no_fp8_or_ds_fp8=False)
+                        use_precision_aware_optimizer=precision_aware,
+                        use_precision_aware_optimizer_no_fp8_or_ds_fp8=precision_aware)
         opt.ddp_config = ns(overlap_param_gather=True, use_megatron_fsdp=False, fp8_param_gather=False,
                             fp4_param_gather=False)
         opt.is_stub_optimizer = False
@@ -130,6 +158,25 @@ def make_distributed_optimizer(events: Recorder, with_tensors: bool = False, see
         opt._gen = 0
         opt.optimizer.register_step_pre_hook(_no_released_storage)
     return opt
+
+
+def _inner_optimizer(kind, param_groups, foreach, precision_aware, te_kw):
+    """The inner optimizer as Megatron-Core builds it (megatron/core/optimizer/__init__.py)."""
+    import torch
+
+    from support import fused_adam
+
+    common = dict(lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
+    if kind == "torch":
+        return torch.optim.AdamW(param_groups, foreach=foreach, **common)
+    if kind == "apex":
+        return fused_adam.ApexFusedAdam(param_groups, adam_w_mode=True, **common)
+    if kind != "te":
+        raise ValueError(f"unknown optimizer {kind!r}; one of {OPTIMIZERS}")
+    kw = dict(adam_w_mode=True, **te_kw)
+    if precision_aware:
+        kw.update(master_weights=True, use_decoupled_grad=True, master_weight_dtype=torch.float32)
+    return fused_adam.TEFusedAdam(param_groups, **common, **kw)
 
 
 def _no_released_storage(optimizer, args, kwargs):

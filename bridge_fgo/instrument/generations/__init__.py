@@ -1,5 +1,5 @@
 """The Megatron-Core offload generations bridge_fgo knows, each declared in its own module
-(adapters/<generation>.py: detection, request, refusals, adapter, status text, native wiring).
+(generations/<generation>.py: detection, request, refusals, adapter, status text, native wiring).
 
 A new generation is one new module listed here.
 """

@@ -9,10 +9,19 @@ from typing import Dict, List, Optional, Tuple
 
 
 class Adapter:
-    """How one Megatron-Core generation (or the builtin engine) moves states. Subclasses override."""
+    """How one Megatron-Core generation (or the builtin engine, bridge_fgo/engine/) moves states.
+
+    The Session drives it: check() on every rank, then (once every rank agreed) prepare(); per step
+    offload() and release() around the param-buffer copy, reload() and wait_reload() around gradient
+    finalization, settle() at train_step's exit; close() at the end of training or unpatch().
+    Megatron-Core's own offloaders need only offload/release/reload."""
+
+    def check(self) -> None:
+        """Before anything is allocated: raise BridgeFGOConfigError for what this rank cannot serve
+        (the builtin engine: host memory). Every rank's verdict is then shared (agree.py)."""
 
     def prepare(self) -> None:
-        """Before the first step (e.g. allocate host buffers)."""
+        """Before the first step, once every rank passed check() (e.g. pin host buffers)."""
 
     def offload(self) -> Optional[int]:
         """Start copying states to the host; bytes moved if known."""
@@ -30,8 +39,15 @@ class Adapter:
         """Make the current stream wait for the reload, so anything after reads whole states."""
 
     def settle(self) -> None:
-        """train_step is over (done, skipped or failed): every copy finished, states whole where
-        readers outside the step find them."""
+        """train_step is over (done, skipped or failed): states whole where readers outside the step
+        find them (copies still in flight are waited for by whatever reads them)."""
+
+    def synchronize(self) -> None:
+        """Every copy in flight has finished."""
+
+    def keeps_on_host(self) -> Optional[str]:
+        """At the end of training: why the states cannot go back to the GPU (None: they can)."""
+        return None
 
     def describe(self) -> Dict[str, object]:
         return {}
@@ -45,11 +61,11 @@ class Adapter:
 
 
 class Generation:
-    """One Megatron-Core offload generation, declared once (adapters/<generation>.py).
+    """One Megatron-Core offload generation, declared once (generations/<generation>.py).
 
-    decide, config_checks, targets, diagnose and the patcher read these declarations and never
+    decide, refusals, targets, diagnose and the patcher read these declarations and never
     branch on a generation's name, so a new generation is one new module listed in
-    adapters/__init__.py.
+    generations/__init__.py.
     """
 
     name: str = ""  # as `bridge-fgo status` shows it: none, three-method, chunked
@@ -73,9 +89,9 @@ class Generation:
         """Whether the run's config (Bridge's ConfigContainer) asks Megatron-Core for offload."""
         return bool(getattr(getattr(cfg, "optimizer", None), "offload_optimizer_states", False))
 
-    def refusals(self, cfg, options) -> List[str]:
-        """Configurations this generation (with these bridge_fgo options) cannot serve beyond the
-        shared ones (config_checks)."""
+    def refusals(self, cfg, options, inner_optimizers: List[object]) -> List[str]:
+        """Configurations this generation (with these bridge_fgo options and inner optimizers) cannot
+        serve beyond the shared ones (refusals.py)."""
         return []
 
     def build(self, optimizer, cfg, dist_optimizers: List[object], options) -> Adapter:

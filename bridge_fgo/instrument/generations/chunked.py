@@ -15,6 +15,7 @@ for a checkpoint itself (synchronize_optimizer_state_for_checkpoint), so neither
 """
 from __future__ import annotations
 
+import weakref
 from typing import List, Optional, Tuple
 
 from .base import Adapter, Generation
@@ -53,11 +54,16 @@ def _plan_figures(offloaders) -> Tuple[Optional[int], Optional[int]]:
 
 class ChunkedAdapter(Adapter):
     def __init__(self, optimizer, cfg):
-        self.optimizer = optimizer
+        self._optimizer = weakref.ref(optimizer)  # never keeps the optimizer alive
         self.delay_master = delays_master_offload(cfg)
         # Megatron-Core builds its offloaders with the optimizers and plans once: read them once
-        self.offloaders = _offloaders(optimizer)
-        self.tensors, self.bytes = _plan_figures(self.offloaders)
+        offloaders = _offloaders(optimizer)
+        self.tensors, self.bytes = _plan_figures(offloaders)
+        self.n_optimizers = len(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+
+    @property
+    def optimizer(self):
+        return self._optimizer()
 
     def offload(self) -> Optional[int]:
         opt = self.optimizer
@@ -76,7 +82,7 @@ class ChunkedAdapter(Adapter):
         return self.bytes
 
     def describe(self):
-        out = {"optimizers": len(getattr(self.optimizer, "chained_optimizers", None) or [self.optimizer])}
+        out = {"optimizers": self.n_optimizers}
         if self.bytes is not None:
             out.update(tensors=self.tensors, bytes=self.bytes)
         return out
@@ -88,22 +94,6 @@ def _requested(opt) -> bool:
     if getattr(opt, "chunked_optimizer_state_offload", False):
         return getattr(opt, "optimizer_state_offload_fraction", 1.0) > 0.0
     return bool(getattr(opt, "offload_optimizer_states", False))
-
-
-def _checkpoint_refusals(ckpt) -> List[str]:
-    """Megatron-LM dev's own checks for the chunked line (arguments.py, checkpointing.py at d48bd6be)."""
-    if ckpt is None:
-        return []
-    out = []
-    saves_optim = getattr(ckpt, "save", None) and getattr(ckpt, "save_optim", True)
-    loads_optim = getattr(ckpt, "load", None) and getattr(ckpt, "load_optim", True)
-    if saves_optim and getattr(ckpt, "async_save", False):
-        out.append("cfg.checkpoint.async_save=True while optimizer state is saved: the chunked offload's pinned "
-                   "buffers cannot be handed to a background writer; set async_save=False or save_optim=False")
-    if (saves_optim or loads_optim) and getattr(ckpt, "ckpt_format", "torch_dist") != "torch_dist":
-        out.append(f"cfg.checkpoint.ckpt_format={ckpt.ckpt_format!r}: the chunked offload needs 'torch_dist' when "
-                   "optimizer state is saved or loaded")
-    return out
 
 
 class _Chunked(Generation):
@@ -120,8 +110,12 @@ class _Chunked(Generation):
     def requested(self, cfg) -> bool:
         return _requested(getattr(cfg, "optimizer", None))
 
-    def refusals(self, cfg, options) -> List[str]:
-        return _checkpoint_refusals(getattr(cfg, "checkpoint", None))
+    def refusals(self, cfg, options, inner_optimizers) -> List[str]:
+        # Megatron-LM dev's own checks for the chunked line (arguments.py, checkpointing.py at d48bd6be)
+        from .. import refusals
+
+        return refusals.checkpoint(cfg, "the chunked offload's pinned buffers cannot be handed to a background "
+                                        "writer")
 
     def build(self, optimizer, cfg, dist_optimizers, options) -> Adapter:
         return ChunkedAdapter(optimizer, cfg)

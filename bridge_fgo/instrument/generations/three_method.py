@@ -7,6 +7,7 @@ skipped step never reaches; the Session's guards and wait_reload() here cover wh
 """
 from __future__ import annotations
 
+import weakref
 from typing import List, Optional
 
 from .base import Adapter, Generation
@@ -21,9 +22,17 @@ def _offloaders(dist_optimizer) -> List[object]:
 
 class ThreeMethodAdapter(Adapter):
     def __init__(self, dist_optimizers: List[object]):
-        self.dist_optimizers = list(dist_optimizers)
-        # DistributedOptimizer builds its offloader in __init__: look once, not every step
-        self.offloaders = [off for opt in self.dist_optimizers for off in _offloaders(opt)]
+        self._opts = [weakref.ref(o) for o in dist_optimizers]  # never keeps an optimizer alive
+
+    @property
+    def dist_optimizers(self):
+        return [o for o in (r() for r in self._opts) if o is not None]
+
+    @property
+    def offloaders(self):
+        # found on the optimizers each time (a scan of a few attributes): held, they would keep the
+        # optimizers they point to alive
+        return [off for opt in self.dist_optimizers for off in _offloaders(opt)]
 
     def offload(self) -> Optional[int]:
         for opt in self.dist_optimizers:
@@ -49,7 +58,7 @@ class ThreeMethodAdapter(Adapter):
                 torch.cuda.synchronize()
 
     def describe(self):
-        return {"optimizers": len(self.dist_optimizers)}
+        return {"optimizers": len(self._opts)}
 
 
 class _ThreeMethod(Generation):

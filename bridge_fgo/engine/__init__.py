@@ -1,0 +1,133 @@
+"""bridge_fgo's own optimizer-state offload engine, for Megatron-Core releases that have none.
+
+    contracts.py   the inner optimizers (torch AdamW/Adam, TE and apex FusedAdam) and what each does
+    tensors.py     which tensors move, and where each one is bound
+    layout.py      the streamed step's plan: bundles, chunks, the window, what stays resident
+    copies.py      host <-> GPU copies ordered by events (deferred on CPU), the GPU window
+    update.py      the update of a subset: the inner step, group-level state, the master copy
+    streamed.py    StreamedEngine (chunk_mb > 0): states on the host between updates
+    onewindow.py   OneWindowEngine (chunk_mb = 0): states back on the GPU for the whole update
+
+BuiltinAdapter drives one engine per optimizer as train_step sees it (a chain included) for the
+Session. Importing this package imports no torch.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Dict, List, Optional
+
+from .. import hostmem
+from ..log import logger, once, rank_prefix
+
+MIB = 2**20
+GIB = 2**30
+
+
+class BuiltinAdapter:
+    """The builtin engine behind a Session: the streamed step (chunk_mb > 0), or one window."""
+
+    def __init__(self, dist_optimizers: List[object], chunk_mb: int, gpu_budget_gib: Optional[float] = None):
+        from .onewindow import OneWindowEngine
+        from .streamed import StreamedEngine
+
+        self.chunk_mb = chunk_mb
+        budget = None if gpu_budget_gib is None else int(gpu_budget_gib * GIB)
+        self.engine = (StreamedEngine(dist_optimizers, chunk_mb * MIB, budget) if chunk_mb
+                       else OneWindowEngine(dist_optimizers))
+        self.fit: Optional[hostmem.HostFit] = None
+        self.n_optimizers = len(dist_optimizers)
+
+    # -- before the first step: check on every rank, agree, then pin (callsites) -----------------
+    def check(self) -> None:
+        """Plan, and refuse (BridgeFGOConfigError) host memory this node does not have."""
+        self.fit = hostmem.check_fits(self.engine.plan_bytes())
+
+    def prepare(self) -> None:
+        t0 = time.perf_counter()
+        if self.fit is None:
+            self.check()
+        logger.info("%s%s", rank_prefix(), self.fit.describe())
+        self.engine.prepare()
+        logger.info("%sbuiltin engine ready before the first step: %s; %d bytes of %s host buffer in %.2f s; %s",
+                    rank_prefix(), ", ".join(self.engine.optimizers()) or "no optimizer",
+                    self.engine.pinned_bytes,
+                    "pinned" if self.engine.device is not None and self.engine.device.type == "cuda" else "CPU",
+                    time.perf_counter() - t0, self.window())
+
+    # -- the call sites ---------------------------------------------------------------------------
+    def offload(self) -> int:
+        return self.engine.offload()
+
+    def release(self) -> None:
+        self.engine.release()
+
+    def reload(self) -> int:
+        return self.engine.reload()
+
+    def wait_reload(self) -> None:
+        self.engine.wait_reload()
+
+    def settle(self) -> None:
+        self.engine.settle()
+
+    def synchronize(self) -> None:
+        self.engine.synchronize()
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def keeps_on_host(self) -> Optional[str]:
+        """Why the states cannot come back to the GPU at the end of training (None: they can)."""
+        import torch
+
+        device = self.engine.device
+        back = self.engine.bytes if self.chunk_mb else 0  # one window: already on the GPU after a step
+        if not back or device is None or device.type != "cuda" or self.engine.buffer is None:
+            return None
+        free, _ = torch.cuda.mem_get_info(device)
+        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        if back <= free:
+            return None
+        return (f"the {back / GIB:.2f} GiB of optimizer states do not fit back on the GPU ({free / GIB:.2f} GiB "
+                "free): they stay in pinned host memory, readable as before, until unpatch() or until the "
+                "optimizer is garbage-collected")
+
+    # -- what it says ---------------------------------------------------------------------------------
+    def window(self) -> str:
+        if not self.chunk_mb:
+            return "window: one (chunk_mb=0: every state back on the GPU for the optimizer step)"
+        e = self.engine
+        text = (f"window: {self.chunk_mb} MB chunks, {len(e.chunks)} chunk(s), the step adds at most "
+                f"{e.window_bytes} bytes on the GPU")
+        if e.resident_bytes:
+            text += f"; {e.resident_bytes} bytes stay resident (gpu_budget_gib)"
+        return text
+
+    def describe(self) -> Dict[str, object]:
+        e = self.engine
+        out: Dict[str, object] = {
+            "optimizers": self.n_optimizers,
+            "inner_optimizers": e.optimizers(),
+            "tensors": e.tensors,
+            "bytes": e.bytes if self.chunk_mb else e.steady_bytes,
+            "pinned_bytes": e.pinned_bytes,
+            "skipped_shared_storage": e.shared if not self.chunk_mb else sum(p.shared for p in e.parts),
+            "chunk_mb": self.chunk_mb,
+            "setup_peak_bytes": e.setup_peak,
+            "host_wait_s": round(e.host_wait.seconds, 4) if self.chunk_mb else None,
+        }
+        if self.chunk_mb:
+            exposed = e.copies.exposed_s if e.copies is not None else []
+            out.update(chunks=len(e.chunks), step_peak_bytes=e.window_bytes, master_bytes=e.master_bytes,
+                       resident_bytes=e.resident_bytes, budget=e.budget_note,
+                       exposed_copy_wait_s=sorted(exposed)[len(exposed) // 2] if exposed else None)
+        return out
+
+
+def build(dist_optimizers, options) -> BuiltinAdapter:
+    return BuiltinAdapter(dist_optimizers, chunk_mb=options.chunk_mb, gpu_budget_gib=options.gpu_budget_gib)
+
+
+def warn_kept(reason: str) -> None:
+    once(("kept-on-host",), logging.WARNING, "%s%s", rank_prefix(), reason)

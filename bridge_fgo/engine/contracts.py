@@ -1,0 +1,161 @@
+"""The inner optimizers Megatron-Core builds, and what each does to an engine that moves its states.
+
+Megatron-Core (megatron/core/optimizer/__init__.py) builds Transformer Engine's FusedAdam when TE
+imports, else apex's FusedAdam, else torch's AdamW (or Adam without decoupled weight decay). One
+Contract per class says, from the optimizer's own code:
+- which tensor states a parameter has once it has stepped, with their real dtypes and shapes, so the
+  host buffer is laid out before step 1 (TE and apex create them inside step());
+- which scale tensors travel with a state (TE keeps one per non-fp32 state in `_scales[p][name]`);
+- whether the step count lives in the param group (`group["step"] += 1` once per step() per group:
+  TE and apex) or per parameter (torch);
+- what the streamed step cannot reproduce exactly for this instance (refused before the first step).
+
+Classes are recognised by their import path, exactly: a subclass may change any of this. An unknown
+class still runs with the one-window engine (chunk_mb=0), which moves whatever states exist and
+never splits step().
+
+Read from: torch 2.13 torch/optim/adamw.py and adam.py; Transformer Engine 2.x
+transformer_engine/pytorch/optimizers/fused_adam.py (TE 2.20 main, commit 04912bf0); apex
+apex/optimizers/fused_adam.py (main 6424da3b, 2026-07: empty param groups skipped since #1596,
+param_groups_master paired by position since #1625).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List, Optional, Tuple
+
+TORCH_ADAMW = "torch.optim.adamw.AdamW"
+TORCH_ADAM = "torch.optim.adam.Adam"
+TE_FUSED_ADAM = "transformer_engine.pytorch.optimizers.fused_adam.FusedAdam"
+APEX_FUSED_ADAM = "apex.optimizers.fused_adam.FusedAdam"
+
+
+def class_path(obj) -> str:
+    cls = type(obj)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+@dataclasses.dataclass(frozen=True)
+class StateSpec:
+    """One tensor state a parameter will have: its key, dtype and shape (the parameter's)."""
+
+    key: str
+    dtype: object
+    scaled: bool = False  # a [1]-shaped fp32 scale lives in optimizer._scales[p][key] (TE)
+
+
+class Contract:
+    name = ""  # how messages name the optimizer
+    group_step = False  # step count in the param group, advanced once per step() per group
+
+    def states(self, inner, p, group) -> List[StateSpec]:
+        raise NotImplementedError
+
+    def streamed_problems(self, inner) -> List[str]:
+        return []
+
+    def scale_of(self, inner, p, key):
+        """The scale tensor of state `key` of `p`, or None."""
+        return None
+
+    def set_scale(self, inner, p, key, tensor) -> None:
+        raise NotImplementedError
+
+
+class TorchAdam(Contract):
+    """torch.optim.AdamW / Adam: per-parameter `step` (a 0-dim tensor that stays put), moments like
+    the parameter, max_exp_avg_sq with amsgrad."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def states(self, inner, p, group):
+        keys = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group.get("amsgrad") else [])
+        return [StateSpec(k, p.dtype) for k in keys]
+
+
+class TEFusedAdam(Contract):
+    name = "Transformer Engine FusedAdam"
+    group_step = True
+
+    def states(self, inner, p, group):
+        import torch
+
+        dtypes = inner.name_to_dtype_map
+        out = [StateSpec(k, dtypes[k], dtypes[k] != torch.float32) for k in ("exp_avg", "exp_avg_sq")]
+        if inner.master_weights:
+            if inner.store_param_remainders and p.dtype == torch.bfloat16:
+                out.append(StateSpec("master_param", torch.int16))  # the fp32 master's low 16 bits
+            else:
+                dtype = dtypes["master_param"]
+                out.append(StateSpec("master_param", dtype, dtype != torch.float32))
+        return out
+
+    def streamed_problems(self, inner):
+        import torch
+
+        fp8 = [k for k in ("exp_avg", "exp_avg_sq") if inner.name_to_dtype_map[k] == torch.uint8]
+        if not fp8:
+            return []
+        return [f"{self.name} keeps {', '.join(fp8)} in FP8 (Float8Tensor, exp_avg_dtype/exp_avg_sq_dtype="
+                "torch.uint8): a wrapper tensor whose device is fixed at creation, so it cannot be rebound to "
+                "host memory between steps; use bf16 or fp32 moments, or chunk_mb=0"]
+
+    def scale_of(self, inner, p, key):
+        return (inner._scales.get(p) or {}).get(key)
+
+    def set_scale(self, inner, p, key, tensor):
+        inner._scales[p][key] = tensor
+
+
+class ApexFusedAdam(Contract):
+    name = "apex FusedAdam"
+    group_step = True
+
+    def states(self, inner, p, group):
+        import torch
+
+        return [StateSpec(k, torch.float32) for k in ("exp_avg", "exp_avg_sq")]
+
+    def streamed_problems(self, inner):
+        if getattr(inner, "master_weights", False):
+            return [f"{self.name} with master_weights=True keeps fp32 master copies in param_groups_master, "
+                    "outside its state, which the streamed step does not move; Megatron-Core never sets it. "
+                    "Use chunk_mb=0"]
+        return []
+
+
+CONTRACTS: Dict[str, Contract] = {
+    TORCH_ADAMW: TorchAdam("torch AdamW"),
+    TORCH_ADAM: TorchAdam("torch Adam"),
+    TE_FUSED_ADAM: TEFusedAdam(),
+    APEX_FUSED_ADAM: ApexFusedAdam(),
+}
+
+
+def of(inner) -> Optional[Contract]:
+    return CONTRACTS.get(class_path(inner))
+
+
+def describe(inner) -> str:
+    """'Transformer Engine FusedAdam (transformer_engine....FusedAdam)', for per-rank lines and status."""
+    c = of(inner)
+    return f"{c.name} ({class_path(inner)})" if c else class_path(inner)
+
+
+def streamed_problems(inners) -> List[str]:
+    """What the streamed step cannot serve in these inner optimizers, each with the fix."""
+    out: List[str] = []
+    for inner in inners:
+        c = of(inner)
+        if c is None:
+            out.append(f"the inner optimizer is {class_path(inner)}: the streamed step splits step() over chunks "
+                       "of parameters and reproduces exactly only torch AdamW/Adam, Transformer Engine FusedAdam "
+                       "and apex FusedAdam; use chunk_mb=0 (one window, step() over everything)")
+        else:
+            out += [p for p in c.streamed_problems(inner) if p not in out]
+    return out
+
+
+def known_names() -> Tuple[str, ...]:
+    return tuple(c.name for c in CONTRACTS.values())

@@ -1,0 +1,538 @@
+"""The streamed optimizer step (chunk_mb > 0): optimizer states live in pinned host memory between
+updates and reach the GPU a bounded window at a time, during the update itself.
+
+One StreamedEngine per optimizer as train_step sees it (a DistributedOptimizer, or Megatron-Core's
+ChainedOptimizer of several): one host buffer and one GPU window for the whole chain, so the window
+the per-rank line states is the bound for every engine of a mixture-of-experts chain too.
+
+Where the data is:
+- between updates (every reader outside the optimizer step: checkpoint save and load, logging,
+  evaluation, reload_model_params, unpatch): masters bound to their host views
+  (`master.data = view`), states and scales host views in the optimizer's dicts. The last chunks'
+  device-to-host copies may still be in flight when train_step returns (they overlap the next
+  forward): Megatron-Core's methods that read or write optimizer state (READERS) are guarded on the
+  instances until those copies are done, and settle()/close() wait for them;
+- from gradient finalization to the update: masters bound to GPU tensors without storage, so
+  Megatron-Core can attach their fp32 gradients (PyTorch checks only device, dtype and shape);
+- during the update: each chunk bound to views of a window slot; host-to-device of chunk N+1 (the
+  next one in the chain, even of the next optimizer), the update of chunk N and device-to-host of
+  chunk N-1 overlap, ordered by events;
+- under a memory budget, the bundles kept resident are ordinary GPU tensors, updated in place.
+
+The update of a chunk is the inner optimizer's own step() over the chunk's parameters (update.py:
+every param group at its index, group-level values as before the step, written back once), then
+Megatron-Core's own master -> model copy narrowed to the chunk's masters. Both are per-parameter,
+so losses and parameters are bit-identical to one update over everything. The hooks that do this
+are instance attributes set on the optimizer objects only while an update is armed.
+
+The engine holds its optimizers through weak references: it never keeps one alive.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import weakref
+from typing import Dict, List, Optional
+
+from .. import hostmem
+from ..errors import BridgeFGOError
+from ..log import logger, once, rank_prefix
+from . import contracts, copies as copies_mod, layout, update
+from .tensors import MASTER, Bindings, Entry, Movable, inner_params, model_params_of_masters, same
+
+GiB = 2**30
+# Megatron-Core's DistributedOptimizer methods that read or write optimizer state or master weights
+# from the host side: guarded while the last device-to-host copies of an update are in flight.
+READERS = ("state_dict", "load_state_dict", "sharded_state_dict", "save_parameter_state",
+           "load_parameter_state", "get_parameter_state_dp_reshardable", "get_parameter_state_dp_zero",
+           "get_parameter_state_fs_bucket_space", "load_parameter_state_from_dp_reshardable",
+           "load_parameter_state_from_dp_zero", "load_parameter_state_from_fs_bucket_space",
+           "reload_model_params", "_copy_model_params_to_main_params", "offload_to_cpu", "restore_from_cpu")
+
+
+class _Part:
+    """One DistributedOptimizer of the chain."""
+
+    def __init__(self, index: int, opt):
+        self.index = index
+        self._opt = weakref.ref(opt)
+        self._inner = weakref.ref(opt.optimizer)
+        self.contract = contracts.of(opt.optimizer)
+        self.bundles: List[layout.Bundle] = []
+        self.chunks: List[layout.Chunk] = []
+        self.model_of: Dict[int, tuple] = {}
+        self.shells: Dict[int, object] = {}  # id(master) -> its GPU tensor, storage freed between steps
+        self.shared = 0
+
+    @property
+    def opt(self):
+        return self._alive(self._opt())
+
+    @property
+    def inner(self):
+        return self._alive(self._inner())
+
+    @staticmethod
+    def _alive(obj):
+        if obj is None:
+            raise BridgeFGOError("internal: an optimizer the engine serves was garbage-collected")
+        return obj
+
+    @property
+    def bindings(self) -> Bindings:
+        return Bindings(self.inner, self.contract)
+
+    def entries(self) -> List[Entry]:
+        return [e for b in self.bundles for e in b.entries]
+
+    def resident_params_by_group(self) -> Dict[int, list]:
+        out: Dict[int, list] = {}
+        for b in self.bundles:
+            if b.resident or not b.entries:
+                out.setdefault(b.group, []).append(b.param)
+        return out
+
+
+class StreamedEngine:
+    def __init__(self, dist_optimizers, chunk_bytes: int, budget_bytes: Optional[int] = None):
+        if chunk_bytes <= 0:
+            raise ValueError(f"the streamed step needs a window of > 0 bytes, got {chunk_bytes}")
+        self.parts = [_Part(i, o) for i, o in enumerate(dist_optimizers)]
+        self.chunk_bytes = chunk_bytes
+        self.budget_bytes = budget_bytes
+        self.chunks: List[layout.Chunk] = []
+        self.buffer = None
+        self.device = None
+        self.copies = None
+        self.window: Optional[copies_mod.Window] = None
+        self.armed = False
+        self.tail = None  # the last device-to-host copy of the last update
+        self.guards = update.Shadows()  # READERS wrapped while the tail is in flight
+        self._hooks = update.Shadows()  # step hooks while armed
+        self._adopted: List[object] = []  # GPU tensors copied to the host, freed at release()
+        self._started: set = set()  # chunk indices whose host-to-device copy was started this update
+        self._copied_masters: set = set()  # part indices whose masters were copied chunk by chunk
+        self.steps_streamed = 0
+        self._stepped = False
+        self.budget_note: Optional[str] = None
+        self.setup_peak: Optional[int] = None
+        self._planned = False
+        self.host_wait = copies_mod.Stopwatch()
+
+    # -- plan -------------------------------------------------------------------------------------
+    def plan_bytes(self) -> int:
+        """Lay out every bundle; the host bytes the buffer needs."""
+        offset = 0
+        for part in self.parts:
+            opt, inner = part.opt, part.inner
+            movable = Movable(opt)
+            part.model_of = model_params_of_masters(opt)
+            moved_masters = set()
+            for t in (m for g in getattr(opt, "shard_fp32_from_float16_groups", None) or () for m in g):
+                if t is not None and movable.take(t):
+                    moved_masters.add(id(t))
+            part.bundles = [layout.bundle_of(part.index, gi, p, inner.param_groups[gi], inner, part.contract,
+                                             movable, id(p) in moved_masters)
+                            for gi, p in inner_params(inner)]
+            part.shared = movable.shared
+            offset = layout.place(part.bundles, offset)
+        self._cut()
+        params = [p for part in self.parts for _, p in inner_params(part.inner)]
+        self.device = params[0].device if params else None
+        self._planned = True
+        return offset
+
+    def _cut(self) -> None:
+        self.chunks = []
+        for part in self.parts:
+            part.chunks = layout.chunks_of(part.bundles, self.chunk_bytes, first_index=len(self.chunks))
+            self.chunks += part.chunks
+
+    @property
+    def window_bytes(self) -> int:
+        return layout.window_bytes(self.chunks)
+
+    def prepare(self) -> None:
+        """Before the first step: pin the host buffer once, for the plan (after every rank's check)."""
+        import torch
+
+        nbytes = self.plan_bytes() if not self._planned else max((b.end for p in self.parts for b in p.bundles),
+                                                                  default=0)
+        cuda = self.device is not None and self.device.type == "cuda"
+        self.buffer = hostmem.pin(nbytes)
+        for part in self.parts:
+            for e in part.entries():
+                e.host = self.buffer.tensor[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape)
+        self.copies = copies_mod.copies_for(self.device)
+        self.window = copies_mod.Window(self.copies, self.window_bytes, self.device)
+        if cuda:
+            self.setup_peak = torch.cuda.max_memory_allocated(self.device)
+            if nbytes:  # one DMA pass, so the first step does not pay for first use of the pages
+                scratch = torch.empty(min(nbytes, 256 * 2**20), dtype=torch.uint8, device=self.device)
+                for start in range(0, nbytes, scratch.numel()):
+                    piece = self.buffer.tensor[start:start + scratch.numel()]
+                    self.copies.copy("h2d", scratch[:piece.numel()], piece)
+                self.copies.host_wait_all()
+                del scratch
+
+    # -- bindings ---------------------------------------------------------------------------------
+    def _streamed_entries(self):
+        for part in self.parts:
+            b = part.bindings
+            for bundle in part.bundles:
+                if not bundle.resident:
+                    for e in bundle.entries:
+                        if not e.dropped:
+                            yield part, b, e
+
+    def on_host(self) -> bool:
+        """Every streamed entry that exists is bound to its host view."""
+        for _, b, e in self._streamed_entries():
+            t = b.get(e)
+            if t is not None and not same(t, e.host):
+                return False
+        return True
+
+    # -- the call sites ---------------------------------------------------------------------------
+    def offload(self) -> int:
+        """Start of forward-backward: make the host copy canonical. Whatever is bound elsewhere (the
+        first step; states a checkpoint load put on the GPU) is copied to its host view, rebound
+        there, and its GPU storage freed at release()."""
+        if self.armed:
+            self.settle()  # a rerun after finalization: the prefetched chunks go back unused
+        if self.buffer is None:
+            return 0
+        pending = []
+        for part, b, e in self._streamed_entries():
+            t = b.get(e)
+            if t is not None and not same(t, e.host):
+                pending.append((part, b, e, t))
+        if pending:
+            after = [self.copies.compute_event(), self.tail]
+            last = None
+            for _, _, e, t in pending:
+                last = self.copies.copy("d2h", e.host, t.detach(), after)
+            for part, b, e, t in pending:
+                if e.kind == MASTER:
+                    part.shells[id(e.param)] = e.param.data  # keeps the GPU tensor: its storage is freed below
+                self._adopted.append(e.param.data if e.kind == MASTER else t)
+                b.set(e, e.host)
+            with self.host_wait:  # once per adoption (the first step, a load): the host copy is whole
+                self.copies.host_wait(last)
+        return self.bytes
+
+    def release(self) -> None:
+        """After the param-buffer copy: free the GPU storage of what offload() adopted."""
+        for t in self._adopted:
+            self.copies.free_after(t, self.tail)
+            t.untyped_storage().resize_(0)  # shared by anyone still holding the old tensor: freed for all
+        self._adopted = []
+
+    def reload(self) -> int:
+        """Gradient finalization: arm the update, bind the streamed masters to storage-less GPU tensors
+        (Megatron-Core attaches their gradients next), open the window and start the first two chunks'
+        host-to-device copies, which overlap the gradient reduction."""
+        if self.armed or self.buffer is None:
+            return 0
+        self.copies.collect()
+        if not self.on_host():
+            self.offload()
+            self.release()
+        self._drop_guards()  # the update's own copies are ordered after the tail on the GPU
+        for part in self.parts:
+            for bundle in part.bundles:
+                if bundle.resident:
+                    continue
+                for e in bundle.entries:
+                    if e.kind == MASTER and not e.dropped:
+                        e.param.data = self._shell(part, e.param)
+            self._hooks.set(part.inner, "step", functools.partial(self._step, part))
+            self._hooks.set(part.opt, "_copy_main_params_to_model_params", functools.partial(self._copy_rest, part))
+        self.armed = True
+        self._started, self._copied_masters, self._stepped = set(), set(), False
+        if self.chunks:
+            self.window.open()
+            for i in range(min(2, len(self.chunks))):
+                self._h2d(i)
+        return self.bytes
+
+    def wait_reload(self) -> None:
+        """Nothing to wait for before the step: each chunk waits for its own copy."""
+
+    def settle(self, wait: bool = False) -> None:
+        """train_step is over (done, skipped, failed, or a rerun): the hooks removed, every entry bound
+        to its host view, the window given back. The last device-to-host copies may still run
+        (READERS are guarded until they end) unless `wait`."""
+        self._hooks.restore()
+        was_armed, self.armed = self.armed, False
+        if self.buffer is None:
+            return
+        loose = []
+        for part, b, e in self._streamed_entries():
+            t = b.get(e)
+            if t is not None and not same(t, e.host):
+                loose.append((b, e, t))
+        if loose:  # a skipped step (masters on their shells) or an exception inside a chunk's update
+            self.copies.host_wait_all()
+            for b, e, t in loose:
+                if t.untyped_storage().nbytes():
+                    if tuple(t.shape) != e.shape or t.dtype != e.dtype:
+                        e.dropped = True  # made otherwise than planned: stays where the optimizer put it
+                        continue
+                    e.host.copy_(t.detach())  # bound to a window slot: its data is the newest
+                b.set(e, e.host)
+        self.window.close()
+        self.copies.end_step()
+        if self._stepped:
+            self.steps_streamed += 1
+            self._stepped = False
+        if wait:
+            self.synchronize()
+        elif self.tail is not None and was_armed:
+            self._guard_readers()
+        if self.budget_bytes is not None and self.steps_streamed == 1 and self.budget_note is None:
+            self._apply_budget()
+
+    def synchronize(self) -> None:
+        """The host copy is whole and current: wait for every copy in flight."""
+        if self.copies is not None:
+            with self.host_wait:
+                self.copies.host_wait_all()
+        self.tail = None
+        self._drop_guards()
+
+    def close(self) -> None:
+        """End of training or unpatch: states back on the GPU as ordinary tensors, the host buffer
+        freed (exactly once)."""
+        self.settle(wait=True)
+        if self.buffer is None:
+            return
+        for part in self.parts:
+            try:
+                b = part.bindings
+            except BridgeFGOError:  # the optimizer is gone: nothing left to give back
+                continue
+            for bundle in part.bundles:
+                for e in bundle.entries:
+                    t = b.get(e)
+                    if t is None or bundle.resident or e.dropped:
+                        continue
+                    if e.kind == MASTER:
+                        shell = part.shells.pop(id(e.param), None)
+                        if shell is not None:
+                            shell.untyped_storage().resize_(e.nbytes)
+                            shell.copy_(e.host)
+                            e.param.data = shell
+                        else:
+                            e.param.data = e.host.to(self.device, copy=True)
+                    else:
+                        b.set(e, e.host.to(self.device, copy=True))
+        if self.device is not None and self.device.type == "cuda":
+            import torch
+
+            torch.cuda.synchronize(self.device)
+        for part in self.parts:
+            for e in part.entries():
+                e.host = None
+        self.buffer.free()
+        self.buffer = None
+        self.window = None
+
+    # -- the update -------------------------------------------------------------------------------
+    def _shell(self, part: _Part, master):
+        shell = part.shells.get(id(master))
+        if shell is None:  # every master is adopted (offload) before an update is armed
+            raise BridgeFGOError(f"{rank_prefix()}internal: a master weight was never moved to the host")
+        return shell
+
+    def _h2d(self, index: int) -> None:
+        if index in self._started or index >= len(self.chunks):
+            return
+        chunk = self.chunks[index]
+        slot = self.window.slot(index, chunk.nbytes)
+        # the slot's memory is free on the compute stream, the chunk that was in it has left it, and
+        # the host data is whole (the previous update's last copies)
+        after = [self.copies.compute_event(), slot.d2h_done, self.tail]
+        for start, end, at in chunk.spans:
+            done = self.copies.copy("h2d", slot.view[at:at + end - start], self.buffer.tensor[start:end], after)
+        slot.h2d_done = done
+        self._started.add(index)
+
+    def _views(self, chunk, slot) -> List[tuple]:
+        out = []
+        for bundle in chunk.bundles:
+            for e in bundle.entries:
+                at = chunk.window_offset[id(e)]
+                out.append((e, slot.view[at:at + e.nbytes].view(e.dtype).view(e.shape)))
+        return out
+
+    def _step(self, part: _Part, *args, **kwargs):
+        """The inner optimizer's step(), hooked while armed: resident parameters in place, then the
+        part's chunks through the window."""
+        inner = part.inner
+        if args or kwargs:  # Megatron-Core calls step() bare; a closure would re-run the model per chunk
+            raise BridgeFGOError("the streamed step cannot run an optimizer step with a closure; use chunk_mb=0")
+        if not self.armed:
+            return type(inner).step(inner)
+        state = update.GroupState(inner)
+        resident = part.resident_params_by_group()
+        if resident:  # overlaps the host-to-device copies already in flight
+            update.step_subset(inner, state, resident)
+            masters = [p for ps in resident.values() for p in ps if id(p) in part.model_of]
+            if masters:
+                update.copy_masters(part.opt, masters, part.model_of)
+        b = part.bindings
+        for chunk in part.chunks:
+            self._h2d(chunk.index)
+            self._h2d(chunk.index + 1)  # the next chunk of the chain, the next optimizer's too
+            slot = self.window.slots[chunk.index % 2]
+            self.copies.compute_wait(slot.h2d_done)
+            views = self._views(chunk, slot)
+            for e, view in views:
+                if not e.dropped and b.get(e) is not None:
+                    b.set(e, view)
+            update.step_subset(inner, state, chunk.params_by_group())
+            for e, view in views:
+                self._keep(part, b, e, view)
+            masters = [bd.param for bd in chunk.bundles if id(bd.param) in part.model_of]
+            if masters:
+                update.copy_masters(part.opt, masters, part.model_of)
+                self._copied_masters.add(part.index)
+            after = [self.copies.compute_event()]
+            for start, end, at in chunk.spans:
+                done = self.copies.copy("d2h", self.buffer.tensor[start:end], slot.view[at:at + end - start], after)
+            slot.d2h_done = self.tail = done
+            for e, view in views:
+                if not e.dropped and b.get(e) is not None:
+                    b.set(e, e.host)
+            self._check_unplanned(part, b, chunk)
+        state.commit()
+        self._stepped = True
+        if part.chunks and part.chunks[-1].index == len(self.chunks) - 1:
+            self.window.close()  # the chain's last chunk is through: the memory goes back now
+        return None
+
+    def _keep(self, part: _Part, b: Bindings, e: Entry, view) -> None:
+        """After a chunk's update: a state the optimizer created in this update (its first) is copied
+        into the window; one unlike the plan stays where the optimizer put it, with a warning."""
+        if e.dropped:
+            return
+        t = b.get(e)
+        if t is None or same(t, view):
+            return
+        if tuple(t.shape) == e.shape and t.dtype == e.dtype and type(t).__name__ in ("Tensor", "Parameter"):
+            view.copy_(t)
+            return
+        e.dropped = True
+        once(("unplanned", part.index, e.kind, e.key), logging.WARNING,
+             "%s%s made %s of a parameter as %s %s, not the planned %s %s: it stays on the GPU (%d bytes)",
+             rank_prefix(), part.contract.name, e.name, t.dtype, tuple(t.shape), e.dtype, e.shape, e.nbytes)
+
+    def _check_unplanned(self, part: _Part, b: Bindings, chunk) -> None:
+        import torch
+
+        planned = {(id(e.param), e.key) for bd in chunk.bundles for e in bd.entries}
+        for bd in chunk.bundles:
+            for key, value in (part.inner.state.get(bd.param) or {}).items():
+                if (isinstance(value, torch.Tensor) and value.dim() and value.numel()
+                        and (id(bd.param), key) not in planned):
+                    once(("unplanned-key", part.index, key), logging.WARNING,
+                         "%s%s created state %r, which the plan did not foresee: it stays on the GPU",
+                         rank_prefix(), part.contract.name, key)
+
+    def _copy_rest(self, part: _Part, *args, **kwargs):
+        return update.copy_rest(part.opt, part.index in self._copied_masters, *args, **kwargs)
+
+    # -- readers between steps --------------------------------------------------------------------
+    def _guard_readers(self) -> None:
+        self._drop_guards()
+        for part in self.parts:
+            opt = part.opt
+            for name in READERS:
+                method = getattr(type(opt), name, None)
+                if callable(method):
+                    # the optimizer holds the guard: the guard holds it weakly
+                    self.guards.set(opt, name, functools.partial(self._guarded, weakref.ref(opt), name))
+
+    def _guarded(self, opt_ref, name, *args, **kwargs):
+        self.synchronize()  # drops every guard: later calls go straight to Megatron-Core
+        return getattr(opt_ref(), name)(*args, **kwargs)
+
+    def _drop_guards(self) -> None:
+        self.guards.restore()
+
+    # -- memory budget ----------------------------------------------------------------------------
+    def _apply_budget(self) -> None:
+        """After the first streamed step: keep resident as many bundles as fit under the budget,
+        judged by the run's measured peak with everything offloaded."""
+        import torch
+
+        if self.device is None or self.device.type != "cuda":
+            peak, basis = 0, "no GPU: nothing measured"
+        else:
+            peak = torch.cuda.max_memory_allocated(self.device)
+            basis = "measured peak with everything offloaded"
+            if self.setup_peak is not None and peak <= self.setup_peak:
+                basis = "peak before the first step (setup, which offload cannot lower), so the plan is cautious"
+        room = self.budget_bytes - peak
+        if room <= 0:
+            self.budget_note = (f"gpu_budget_gib {self.budget_bytes / GiB:.2f} GiB cannot be met: the {basis} is "
+                                f"{peak / GiB:.2f} GiB; everything stays offloaded")
+            logger.warning("%s%s", rank_prefix(), self.budget_note)
+            return
+        kept = layout.keep_resident([bd for part in self.parts for bd in part.bundles], room)
+        self.synchronize()
+        for bundle in kept:
+            part = self.parts[bundle.part]
+            b = part.bindings
+            for e in bundle.entries:
+                if e.dropped or b.get(e) is None:
+                    continue
+                if e.kind == MASTER:
+                    shell = part.shells.pop(id(e.param))
+                    shell.untyped_storage().resize_(e.nbytes)
+                    shell.copy_(e.host)
+                    e.param.data = shell
+                else:
+                    b.set(e, e.host.to(self.device, copy=True))
+            bundle.resident = True
+        self._cut()
+        self.window = copies_mod.Window(self.copies, self.window_bytes, self.device)
+        kept_bytes = self.resident_bytes
+        self.budget_note = (f"gpu_budget_gib {self.budget_bytes / GiB:.2f} GiB, {basis} {peak / GiB:.2f} GiB: "
+                            f"{len(kept)} parameter(s) keep their states on the GPU ({kept_bytes / GiB:.2f} GiB), "
+                            f"{self.bytes / GiB:.2f} GiB move each way per step in {len(self.chunks)} chunk(s)")
+        logger.info("%s%s", rank_prefix(), self.budget_note)
+
+    # -- figures ----------------------------------------------------------------------------------
+    @property
+    def bytes(self) -> int:
+        """What moves each way per step."""
+        return sum(e.nbytes for part in self.parts for bd in part.bundles if not bd.resident
+                   for e in bd.entries if not e.dropped)
+
+    @property
+    def resident_bytes(self) -> int:
+        """What a memory budget keeps on the GPU instead."""
+        return sum(e.nbytes for part in self.parts for bd in part.bundles if bd.resident
+                   for e in bd.entries if not e.dropped)
+
+    @property
+    def pinned_bytes(self) -> int:
+        return self.buffer.nbytes if self.buffer is not None else 0
+
+    @property
+    def master_bytes(self) -> int:
+        return sum(e.nbytes for part in self.parts for e in part.entries() if e.kind == MASTER)
+
+    @property
+    def tensors(self) -> int:
+        return sum(len(part.entries()) for part in self.parts)
+
+    def optimizers(self) -> List[str]:
+        out = []
+        for part in self.parts:
+            inner = part._inner()
+            if inner is not None:
+                out.append(contracts.describe(inner))
+        return out

@@ -1,0 +1,154 @@
+"""The update of part of the parameters: the inner optimizer's own step() over a subset, and
+Megatron-Core's own master -> model copy over the same subset.
+
+Group-level state. Transformer Engine's and apex's FusedAdam keep the step count in the param group
+and advance it once per step() per non-empty group (a device tensor, in place, when capturable). So
+every pass over a subset gets every param group at its original index (apex pairs param_groups with
+param_groups_master by position; both optimizers skip empty groups untouched), each with copies of the
+group's values as they were before the step; what the passes changed is written back once, after
+the last pass, exactly as one step() over everything would have left it.
+"""
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Dict, List
+
+from ..errors import BridgeFGOError
+
+_MISSING = object()
+
+
+def _clone(value):
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, dict):
+        return {k: _clone(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_clone(v) for v in value)
+    return value
+
+
+def _equal(a, b) -> bool:
+    import torch
+
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        # compared without reading device values (no synchronisation): what a pass over any
+        # subset makes of a tensor field must at least have the same shape, dtype and device
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+                and a.dtype == b.dtype and a.device == b.device)
+    return type(a) is type(b) and a == b
+
+
+class GroupState:
+    """One optimizer step's group-level values: taken before the first pass, written back once."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.before = [{k: v for k, v in g.items() if k != "params"} for g in inner.param_groups]
+        self.after: Dict[int, dict] = {}
+
+    def groups(self, params_by_group: Dict[int, list]) -> List[dict]:
+        return [dict(_clone(values), params=list(params_by_group.get(gi, ())))
+                for gi, values in enumerate(self.before)]
+
+    def record(self, groups: List[dict]) -> None:
+        for gi, g in enumerate(groups):
+            if not g["params"]:
+                continue
+            values = {k: v for k, v in g.items() if k != "params"}
+            seen = self.after.setdefault(gi, values)
+            if seen is not values and (seen.keys() != values.keys()
+                                       or not all(_equal(seen[k], values[k]) for k in seen)):
+                # a contract says its group fields do not depend on the subset (contracts.py)
+                raise BridgeFGOError(f"internal: {type(self.inner).__name__}'s param group {gi} changed "
+                                     "differently for different subsets of its parameters")
+
+    def commit(self) -> None:
+        """Write the step's group values back, keeping each tensor object (captured graphs hold it)."""
+        import torch
+
+        for gi, values in self.after.items():
+            group = self.inner.param_groups[gi]
+            for k, v in values.items():
+                old = group.get(k, _MISSING)
+                if isinstance(old, torch.Tensor) and isinstance(v, torch.Tensor) and old.shape == v.shape:
+                    old.copy_(v)
+                elif old is not v:
+                    group[k] = v
+        self.after = {}
+
+
+def step_subset(inner, state: GroupState, params_by_group: Dict[int, list]) -> None:
+    """The inner optimizer's own step() over these parameters only."""
+    groups = state.groups(params_by_group)
+    saved = inner.param_groups
+    inner.param_groups = groups
+    try:
+        type(inner).step(inner)  # the class's step (its hooks included), not the engine's hook on the instance
+    finally:
+        inner.param_groups = saved
+    state.record(groups)
+
+
+class Shadows:
+    """Instance attributes set for a while and then put back exactly as they were (set or absent).
+    The objects are held weakly: one that is gone has nothing to put back."""
+
+    def __init__(self):
+        self._saved: List[tuple] = []
+
+    def set(self, obj, name: str, value) -> None:
+        self._saved.append((weakref.ref(obj), name, obj.__dict__.get(name, _MISSING)))
+        setattr(obj, name, value)
+
+    def restore(self) -> None:
+        while self._saved:
+            ref, name, prior = self._saved.pop()
+            obj = ref()
+            if obj is None:
+                continue
+            if prior is _MISSING:
+                obj.__dict__.pop(name, None)
+            else:
+                setattr(obj, name, prior)
+
+    def __bool__(self) -> bool:
+        return bool(self._saved)
+
+
+@contextlib.contextmanager
+def shadowed(obj, **attrs):
+    shadows = Shadows()
+    try:
+        for name, value in attrs.items():
+            shadows.set(obj, name, value)
+        yield
+    finally:
+        shadows.restore()
+
+
+def copy_masters(opt, masters, model_of) -> None:
+    """Megatron-Core's own _copy_main_params_to_model_params, narrowed to these masters, so the
+    model parameters read whole, updated masters while they are on the GPU."""
+    n_groups = len(opt.model_float16_groups)
+    mains, models = [[] for _ in range(n_groups)], [[] for _ in range(n_groups)]
+    for m in masters:
+        gi, model_param = model_of[id(m)]
+        mains[gi].append(m)
+        models[gi].append(model_param)
+    with shadowed(opt, shard_fp32_from_float16_groups=mains, model_float16_groups=models,
+                  shard_fp32_groups=[], model_fp32_groups=[]):
+        type(opt)._copy_main_params_to_model_params(opt)
+
+
+def copy_rest(opt, copied_masters: bool, *args, **kwargs):
+    """Megatron-Core's call after the inner step: masters of bf16/fp16 parameters were copied subset
+    by subset while on the GPU; the fp32 parameters (their own masters) are copied here."""
+    copy = type(opt)._copy_main_params_to_model_params
+    if not copied_masters:
+        return copy(opt, *args, **kwargs)
+    with shadowed(opt, shard_fp32_from_float16_groups=[], model_float16_groups=[]):
+        return copy(opt, *args, **kwargs)
