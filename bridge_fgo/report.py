@@ -26,6 +26,7 @@ class Report:
     chunk_mb: Optional[int] = None  # the builtin engine's window (options.DEFAULT_CHUNK_MB unless set)
     gpu_budget_gib: Optional[float] = None  # the builtin engine's GPU budget (None: offload everything)
     host_memory: Optional[str] = None  # what the builtin engine may pin on this node (diagnose only)
+    inner_optimizer: Optional[str] = None  # the Adam class Megatron-Core builds here (diagnose only)
     targets: Dict[str, bool] = dataclasses.field(default_factory=dict)
     aliases: List[str] = dataclasses.field(default_factory=list)
     native_wiring: List[str] = dataclasses.field(default_factory=list)
@@ -59,6 +60,8 @@ class Report:
                          else "none (everything offloaded)"))
         if self.host_memory:
             rows.append(("host memory", self.host_memory))
+        if self.inner_optimizer:
+            rows.append(("inner optimizer", self.inner_optimizer))
         if self.executable:
             rows.append(("python executable", self.executable))
         rows += [(name, v or "not installed") for name, v in self.versions.items()]

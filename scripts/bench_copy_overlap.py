@@ -19,7 +19,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bridge_fgo.engine import PinnedBuffer  # noqa: E402
+from bridge_fgo import hostmem  # noqa: E402
 
 GIB = 2**30
 
@@ -40,7 +40,7 @@ def main():
     n_tensors, total = 300, 8 * GIB
     per = total // n_tensors // 4 * 4
     srcs = [torch.randn(per // 4, device="cuda") for _ in range(n_tensors)]
-    host = PinnedBuffer(per * n_tensors, cuda=True).tensor
+    host = hostmem.pin(per * n_tensors).tensor
     slots = [host[i * per:(i + 1) * per].view(torch.float32) for i in range(n_tensors)]
     big = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     small = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16)

@@ -66,7 +66,7 @@ say("the optimizer step one update per chunk of parameters, and engine.settle as
 rig = harness.Rig(cfg=cfg, with_tensors=True, shapes=BIG)
 rig.dist_optimizer.optimizer.register_step_pre_hook(
     lambda opt, args, kwargs: rig.events.add(f"update({sum(len(g['params']) for g in opt.param_groups)} param)"))
-from bridge_fgo.instrument.generations.none import BuiltinAdapter  # noqa: E402
+from bridge_fgo.engine import BuiltinAdapter  # noqa: E402
 
 
 def recorded(name):
@@ -86,6 +86,9 @@ steps = [rig.events[i * per_step:(i + 1) * per_step] for i in range(3)]
 say(f"calls, step 1: {steps[0]}")
 say("steps 2 and 3: " + ("the same calls" if steps[1] == steps[0] == steps[2] else f"{steps[1]} / {steps[2]}"))
 say("\nbridge_fgo.status() after the three steps:\n" + str(bridge_fgo.status()))
+# the last update's device-to-host copies may still be in flight: Megatron-Core's own readers
+# (state_dict, sharded_state_dict, ...) wait for them; reading master weights directly, wait first
+bridge_fgo.synchronize()
 same = all(torch.equal(a, b) for a, b in zip(params(baseline), params(rig)))
 say(f"\nfinal parameters identical to the unpatched run: {same}")
 bridge_fgo.unpatch()

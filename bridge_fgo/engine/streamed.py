@@ -47,7 +47,8 @@ READERS = ("state_dict", "load_state_dict", "sharded_state_dict", "save_paramete
            "load_parameter_state", "get_parameter_state_dp_reshardable", "get_parameter_state_dp_zero",
            "get_parameter_state_fs_bucket_space", "load_parameter_state_from_dp_reshardable",
            "load_parameter_state_from_dp_zero", "load_parameter_state_from_fs_bucket_space",
-           "reload_model_params", "_copy_model_params_to_main_params", "offload_to_cpu", "restore_from_cpu")
+           "reload_model_params", "_copy_model_params_to_main_params", "offload_to_cpu", "restore_from_cpu",
+           "get_parameters")
 
 
 class _Part:

@@ -88,6 +88,29 @@ def host_memory_line() -> str:
             "parameter of its data-parallel shard (checked and logged before the first step)")
 
 
+def inner_optimizer_line() -> Optional[str]:
+    """The Adam class Megatron-Core binds (megatron/core/optimizer/__init__.py: Transformer Engine's
+    FusedAdam when it imports, else apex's, else torch's), read from the module once loaded, and
+    whether the builtin engine's streamed step serves it."""
+    from ..engine import contracts
+
+    mo = sys.modules.get("megatron.core.optimizer")
+    if mo is None:
+        return None
+    cls = vars(mo).get("Adam")
+    if cls is None:
+        return None
+    if vars(mo).get("USING_PYTORCH_OPTIMIZER"):
+        text = "torch AdamW (torch.optim.AdamW; torch.optim.Adam without decoupled weight decay)"
+        known = True
+    else:
+        path = f"{cls.__module__}.{cls.__qualname__}"
+        known = path in contracts.CONTRACTS
+        text = f"{contracts.CONTRACTS[path].name} ({path})" if known else path
+    return text + ("; the streamed step serves it" if known else
+                   "; the streamed step does not know it (refused; chunk_mb=0 serves it)")
+
+
 def diagnose(options: Optional[Options] = None) -> rpt.Report:
     """The status report for this environment, with its verdict. Imports Megatron-Bridge's target
     modules; raises BridgeFGOOptionError for a bad BRIDGE_FGO_* value when `options` is not given."""
@@ -120,6 +143,7 @@ def diagnose(options: Optional[Options] = None) -> rpt.Report:
         report.problems = [report.reason]
         return report
 
+    report.inner_optimizer = inner_optimizer_line()
     layout = targets.inspect_layout(modules)
     problems: List[targets.Problem] = list(layout.problems)
     found, notes = dict(layout.found), _target_notes(layout)

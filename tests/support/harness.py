@@ -169,14 +169,23 @@ def _inner_optimizer(kind, param_groups, foreach, precision_aware, te_kw):
     common = dict(lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
     if kind == "torch":
         return torch.optim.AdamW(param_groups, foreach=foreach, **common)
-    if kind == "apex":
-        return fused_adam.ApexFusedAdam(param_groups, adam_w_mode=True, **common)
-    if kind != "te":
-        raise ValueError(f"unknown optimizer {kind!r}; one of {OPTIMIZERS}")
+    # "apex-real" / "te-real": the installed classes themselves (scripts/check_streamed_cuda.py, on a GPU)
+    if kind in ("apex", "apex-real"):
+        if kind == "apex-real":
+            from apex.optimizers import FusedAdam as cls
+        else:
+            cls = fused_adam.ApexFusedAdam
+        return cls(param_groups, adam_w_mode=True, **common)
+    if kind not in ("te", "te-real"):
+        raise ValueError(f"unknown optimizer {kind!r}; one of {OPTIMIZERS} (or apex-real, te-real)")
+    if kind == "te-real":
+        from transformer_engine.pytorch.optimizers import FusedAdam as cls
+    else:
+        cls = fused_adam.TEFusedAdam
     kw = dict(adam_w_mode=True, **te_kw)
     if precision_aware:
         kw.update(master_weights=True, use_decoupled_grad=True, master_weight_dtype=torch.float32)
-    return fused_adam.TEFusedAdam(param_groups, **common, **kw)
+    return cls(param_groups, **common, **kw)
 
 
 def _no_released_storage(optimizer, args, kwargs):

@@ -60,16 +60,25 @@ def _chain(here):
             sys.path.insert(min(i, len(sys.path)), p)
 
 
+class _UnlessTheUserLogs(logging.StreamHandler):
+    """Prints bridge_fgo's lines on stderr only while the root logger has no handler. Once the user
+    (or Megatron, Bridge, a job's logging config) configures one, the lines reach it by propagation
+    and this handler steps back, so each line is printed once, where the user's lines go."""
+
+    def emit(self, record):
+        if not logging.getLogger().handlers:
+            super().emit(record)
+
+
 def _handler():
     """Per-rank INFO lines must be visible under the launcher; a logger the user configured is kept."""
     if _log.handlers:
         return
-    handler = logging.StreamHandler()
+    handler = _UnlessTheUserLogs()
     handler.setFormatter(logging.Formatter(_FORMAT))
     _log.addHandler(handler)
     if _log.level == logging.NOTSET:
         _log.setLevel(logging.INFO)
-    _log.propagate = False
 
 
 def _envflags():

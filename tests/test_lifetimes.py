@@ -1,0 +1,165 @@
+"""What bridge_fgo holds lives exactly as long as the training it serves: sessions close when train()
+returns (or raises), pinned host memory is freed exactly once, nothing keeps an optimizer alive, and a
+process that trains twice (NeMo-RL's policy worker, sweeps, notebooks) starts each training afresh and
+exact. Also one window per chain of optimizers (mixture-of-experts models)."""
+import gc
+import weakref
+
+import pytest
+
+import bridge_fgo
+from bridge_fgo import hostmem
+from bridge_fgo.instrument import targets
+from support import harness
+from test_streamed import assert_same, rig, rig_snapshot
+
+
+def callsites():
+    return bridge_fgo.instrument.patcher._current.callsites
+
+
+def train(r, steps):
+    """Bridge's train() as the patch sees it: bridge_fgo's wrapper around a loop of the real
+    train_step (Bridge's own loop needs a cluster)."""
+    loop = callsites().site(targets.target("train"))
+    kwargs = {"model": r.model, "optimizer": r.optimizer, "global_state": r.global_state}
+    return loop(lambda *a, **k: harness.run_steps(r, steps=steps), None, (), kwargs)
+
+
+def test_two_trainings_in_one_process_each_start_afresh_and_stay_exact():
+    base = rig()
+    harness.run_steps(base, steps=6)
+    bridge_fgo.patch(offload="builtin", chunk_mb=1)
+    r = rig()
+    train(r, 3)
+    assert len(callsites().registry) == 0 and hostmem.pinned_bytes() == 0  # nothing outlives the training
+    masters = r.dist_optimizer.shard_fp32_from_float16_groups[0]
+    assert all(m.untyped_storage().nbytes() == m.numel() * 4 for m in masters)  # ordinary tensors again
+    train(r, 3)  # decided, planned and pinned again
+    assert len(callsites().registry) == 0 and hostmem.pinned_bytes() == 0
+    assert_same(rig_snapshot(base), rig_snapshot(r))
+
+
+def test_patch_train_unpatch_patch_train():
+    base = rig()
+    harness.run_steps(base, steps=4)
+    r = rig()
+    bridge_fgo.patch(offload="builtin", chunk_mb=1)
+    train(r, 2)
+    bridge_fgo.unpatch()
+    assert hostmem.pinned_bytes() == 0
+    bridge_fgo.patch(offload="builtin", chunk_mb=1)
+    train(r, 2)
+    assert hostmem.pinned_bytes() == 0
+    assert_same(rig_snapshot(base), rig_snapshot(r))
+
+
+def test_a_failed_training_closes_its_session_too():
+    bridge_fgo.patch(offload="builtin", chunk_mb=1)
+    r = rig()
+
+    def failing(*a, **k):
+        harness.run_steps(r, steps=2)
+        raise RuntimeError("loss spike")
+
+    loop = callsites().site(targets.target("train"))
+    with pytest.raises(RuntimeError, match="loss spike"):
+        loop(failing, None, (), {"model": r.model, "optimizer": r.optimizer, "global_state": r.global_state})
+    assert len(callsites().registry) == 0 and hostmem.pinned_bytes() == 0
+
+
+def test_states_that_no_longer_fit_on_the_gpu_stay_on_the_host_said_once(monkeypatch, caplog_fgo):
+    from bridge_fgo.engine import BuiltinAdapter
+
+    reason = "the 1.00 GiB of optimizer states do not fit back on the GPU"
+    monkeypatch.setattr(BuiltinAdapter, "keeps_on_host", lambda self: reason)
+    base = rig()
+    harness.run_steps(base, steps=4)
+    bridge_fgo.patch(offload="builtin", chunk_mb=1)
+    r = rig()
+    train(r, 2)
+    (session,) = callsites().registry.sessions()
+    assert hostmem.pinned_bytes() > 0 and not session.closed
+    train(r, 2)  # the same session goes on
+    assert callsites().registry.sessions() == [session]
+    assert sum(reason in m for m in caplog_fgo.messages) == 1
+    bridge_fgo.synchronize()
+    assert_same(rig_snapshot(base), rig_snapshot(r))
+    bridge_fgo.unpatch()
+    assert hostmem.pinned_bytes() == 0
+
+
+def test_an_optimizer_dropped_without_train_returning_frees_its_session_and_pinned_memory():
+    """A loop of its own (train_step only, no train()): when the optimizer goes, so does the session,
+    and the pinned buffer's finalizer frees it."""
+    bridge_fgo.patch(offload="builtin", chunk_mb=1)
+    r = rig()
+    harness.run_steps(r, steps=2)
+    assert len(callsites().registry) == 1 and hostmem.pinned_bytes() > 0
+    ref = weakref.ref(r.dist_optimizer)
+    del r
+    gc.collect()
+    assert ref() is None
+    assert len(callsites().registry) == 0 and hostmem.pinned_bytes() == 0
+
+
+@pytest.mark.parametrize("mode", ["builtin", "chunked"])
+def test_no_adapter_keeps_its_optimizer_alive(mode, mocker):
+    if mode == "chunked":
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+        for m in ("offload_optimizer_state_for_forward", "prefetch_optimizer_state_for_gradient_finalization"):
+            mocker.patch.object(DistributedOptimizer, m, create=True, new=lambda self, *a, **k: None)
+        mocker.patch.object(DistributedOptimizer, "optimizer_state_offload_requires_pre_forward_param_sync",
+                            create=True, new=lambda self: False)
+        cfg = harness.config_container(harness.optimizer_config(chunked_optimizer_state_offload=True,
+                                                                optimizer_state_offload_fraction=1.0),
+                                       mxfp8_copy=False)
+        bridge_fgo.patch()
+        r = harness.Rig(cfg=cfg, with_tensors=True)
+        r.optimizer = r.dist_optimizer  # the optimizer train_step sees: the DistributedOptimizer itself
+        r.dist_optimizer.step = lambda: (True, 1.0, 0)
+    else:
+        bridge_fgo.patch(offload="builtin", chunk_mb=1)
+        r = rig()
+    harness.run_steps(r, steps=1)
+    assert len(callsites().registry) == 1
+    ref = weakref.ref(r.dist_optimizer)
+    del r
+    gc.collect()
+    assert ref() is None and len(callsites().registry) == 0
+
+
+def test_a_chain_shares_one_window_and_stays_exact():
+    """A mixture-of-experts model: Megatron-Core chains a dense and an expert DistributedOptimizer.
+    One window serves both, in sequence, and the next optimizer's first chunk is prefetched during
+    the previous one's last."""
+    def chained():
+        r = rig()
+        experts = harness.make_distributed_optimizer(r.events, with_tensors=True, seed=3, shapes=((700, 300), (64,)))
+        r.optimizer.chained_optimizers.append(experts)
+        return r, experts
+
+    base, base_experts = chained()
+    harness.run_steps(base, steps=3)
+    bridge_fgo.patch(offload="builtin", chunk_mb=1)
+    r, experts = chained()
+    arenas = []
+    for opt in (r.dist_optimizer, experts):
+        opt.optimizer.register_step_pre_hook(lambda o, a, k: arenas.append(engine().window.arena.data_ptr()))
+
+    def engine():
+        (session,) = callsites().registry.sessions()
+        return session.adapter.engine
+
+    harness.run_steps(r, steps=3)
+    bridge_fgo.synchronize()
+    e = engine()
+    assert len(e.parts) == 2 and all(p.chunks for p in e.parts)
+    assert len(set(arenas[:len(e.chunks)])) == 1  # one arena for the whole chain's update
+    sizes = [c.nbytes for c in e.chunks]
+    assert e.window_bytes == max(a + b for a, b in zip(sizes, sizes[1:]))
+    assert_same(rig_snapshot(base), rig_snapshot(r))
+    from test_streamed import snapshot
+
+    assert_same(snapshot(base_experts), snapshot(experts))
