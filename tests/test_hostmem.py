@@ -324,12 +324,12 @@ def test_numa_target_unknown_pci_address(tmp_path):
 def record_touch(monkeypatch):
     """What each first-touch call saw from inside its thread: (thread name, affinity, start, length)."""
     seen = []
-    real = hostmem._touch_range
+    real = hostmem.numa._touch_range
 
     def spy(ptr, nbytes):
         seen.append((threading.current_thread().name, frozenset(os.sched_getaffinity(0)), ptr, nbytes))
         real(ptr, nbytes)
-    monkeypatch.setattr(hostmem, "_touch_range", spy)
+    monkeypatch.setattr(hostmem.numa, "_touch_range", spy)
     return seen
 
 
@@ -415,7 +415,7 @@ def fake_cuda(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: FakeCuda.device.__setitem__(threading.get_ident(), d))
     monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
-    monkeypatch.setattr(hostmem, "gpu_pci_address", fake_pci)
+    monkeypatch.setattr(hostmem.numa, "gpu_pci_address", fake_pci)
     two_nodes(tmp_path, cpus=("0-1000", str(one_cpu())))
     return cudart
 
@@ -452,14 +452,14 @@ def test_pin_register_refused_falls_back_with_one_warning(fake_cuda, tmp_path, m
     caplog.set_level(logging.INFO, logger="bridge_fgo")
     fake_cuda.result = FakeErr(2, "cudaErrorMemoryAllocation")
     pinned, pageable = [], []
-    real_touch = hostmem.first_touch
-    monkeypatch.setattr(hostmem, "first_touch", lambda t, target: pageable.append(weakref.ref(t)) or real_touch(t, target))
+    real_touch = hostmem.numa.first_touch
+    monkeypatch.setattr(hostmem.numa, "first_touch", lambda t, target: pageable.append(weakref.ref(t)) or real_touch(t, target))
 
     def empty_pinned(n):
         assert pageable[0]() is None, "the pageable buffer must be freed before pinning a second one"
         pinned.append(n)
         return torch.zeros(n, dtype=torch.uint8)
-    monkeypatch.setattr(hostmem, "_empty_pinned", empty_pinned)
+    monkeypatch.setattr(hostmem.pinning, "_empty_pinned", empty_pinned)
     n = 3 * GiB // 1024  # 3 MiB: rounds up to 4 MiB in PyTorch's pinned allocator
     buf = hostmem.pin(n, root=str(tmp_path))
     assert (buf.registered, buf.method, buf.numa_node, pinned) == (False, "pin_memory=True", None, [n])
@@ -483,7 +483,7 @@ def test_pin_both_refused_raises_with_the_numbers(fake_cuda, tmp_path, monkeypat
 
     def refuse(n):
         raise RuntimeError("CUDA error: out of memory")
-    monkeypatch.setattr(hostmem, "_empty_pinned", refuse)
+    monkeypatch.setattr(hostmem.pinning, "_empty_pinned", refuse)
     with pytest.raises(BridgeFGOConfigError) as exc:
         hostmem.pin(5 * 2**20, root=str(tmp_path))
     msg = str(exc.value)
@@ -550,7 +550,7 @@ def test_refused_through_the_real_train_step_before_anything_is_pinned(monkeypat
     from support import harness
 
     available = hostmem.HostMemory(2**30, "MemAvailable", "MemAvailable 1.00 GiB (faked)", 2**30, None)
-    monkeypatch.setattr(hostmem, "host_memory", lambda root=None: available)
+    monkeypatch.setattr(hostmem.available, "host_memory", lambda root=None: available)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     pinned = []
     monkeypatch.setattr(hostmem, "pin", lambda *a, **k: pinned.append(a))
