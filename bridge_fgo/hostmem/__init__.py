@@ -5,7 +5,9 @@
   raises BridgeFGOConfigError before anything is pinned when it does not fit.
 - `pin(nbytes)` (pinning.py) allocates a pageable buffer, first-touches it (numa.py: from threads
   bound to the GPU's NUMA node when the host has several), registers it with cudaHostRegister, and
-  falls back to torch.empty(pin_memory=True) with one WARNING when registration is refused.
+  falls back to torch.empty(pin_memory=True) with one WARNING when registration is refused. The
+  PinnedHost it returns is released exactly once, by free() or, as a backstop, when collected;
+  `pinned_bytes()` / `live_buffers()` count what is still held.
 
 Importing this package does not import torch. Every path under /proc and /sys is read below `root`
 (default "/") so tests can fake the trees.
@@ -15,7 +17,7 @@ from .check import FIXES, RESERVE_FRACTION, RESERVE_MIN_BYTES, HostFit, check_fi
 from .common import GiB, fmt_bytes
 from .numa import (NumaTarget, first_touch, format_cpulist, gpu_pci_address, node_cpus, node_target,
                    numa_nodes, numa_target, parse_cpulist)
-from .pinning import PinnedHost, pin
+from .pinning import PinnedHost, live_buffers, pin, pinned_bytes
 from .ranks import LocalRanks, local_ranks
 
 __all__ = [
@@ -25,5 +27,5 @@ __all__ = [
     "HostFit", "check_fits", "reserve_for", "FIXES", "RESERVE_MIN_BYTES", "RESERVE_FRACTION",
     "NumaTarget", "parse_cpulist", "format_cpulist", "numa_nodes", "node_cpus", "node_target", "numa_target",
     "gpu_pci_address", "first_touch",
-    "PinnedHost", "pin",
+    "PinnedHost", "pin", "pinned_bytes", "live_buffers",
 ]
