@@ -1,6 +1,8 @@
 """bridge_fgo.hostmem on CPU: host memory read from faked /proc and /sys/fs/cgroup trees, the refusal,
 local-rank counting, cpulist parsing, NUMA first touch from bound threads (a faked two-node sysfs),
-and pin()'s register / fallback / failure paths with torch.cuda faked."""
+pin()'s register / fallback / failure paths with torch.cuda faked, and PinnedHost released exactly
+once (free() or the finalizer) with the live-buffer count following."""
+import gc
 import logging
 import os
 import subprocess
@@ -324,12 +326,12 @@ def test_numa_target_unknown_pci_address(tmp_path):
 def record_touch(monkeypatch):
     """What each first-touch call saw from inside its thread: (thread name, affinity, start, length)."""
     seen = []
-    real = hostmem._touch_range
+    real = hostmem.numa._touch_range
 
     def spy(ptr, nbytes):
         seen.append((threading.current_thread().name, frozenset(os.sched_getaffinity(0)), ptr, nbytes))
         real(ptr, nbytes)
-    monkeypatch.setattr(hostmem, "_touch_range", spy)
+    monkeypatch.setattr(hostmem.numa, "_touch_range", spy)
     return seen
 
 
@@ -388,6 +390,7 @@ class FakeErr:
 class FakeCudart:
     def __init__(self, register_result=0):
         self.result = register_result
+        self.unregister_result = FakeErr(0, "success")
         self.calls = []
 
     def cudaHostRegister(self, ptr, n, flags):
@@ -395,8 +398,8 @@ class FakeCudart:
         return self.result
 
     def cudaHostUnregister(self, ptr):
-        self.calls.append(("unregister", ptr))
-        return FakeErr(0, "success")
+        self.calls.append(("unregister", ptr, threading.get_ident(), FakeCuda.device.get(threading.get_ident())))
+        return self.unregister_result
 
     def cudaGetErrorString(self, err):
         return "out of memory"
@@ -415,7 +418,7 @@ def fake_cuda(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: FakeCuda.device.__setitem__(threading.get_ident(), d))
     monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
-    monkeypatch.setattr(hostmem, "gpu_pci_address", fake_pci)
+    monkeypatch.setattr(hostmem.numa, "gpu_pci_address", fake_pci)
     two_nodes(tmp_path, cpus=("0-1000", str(one_cpu())))
     return cudart
 
@@ -431,7 +434,7 @@ def test_pin_registers_on_the_gpus_node(fake_cuda, tmp_path, record_touch, caplo
     assert tid != threading.get_ident()  # registered from a throwaway thread, on the current device
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     buf.free()
-    assert fake_cuda.calls[-1] == ("unregister", ptr) and buf.tensor is None and not buf.registered
+    assert fake_cuda.calls[-1][:2] == ("unregister", ptr) and buf.tensor is None and not buf.registered
     buf.free()  # idempotent
     assert len(fake_cuda.calls) == 2
 
@@ -451,15 +454,17 @@ def test_pin_single_node_host(fake_cuda, tmp_path, record_touch):
 def test_pin_register_refused_falls_back_with_one_warning(fake_cuda, tmp_path, monkeypatch, caplog):
     caplog.set_level(logging.INFO, logger="bridge_fgo")
     fake_cuda.result = FakeErr(2, "cudaErrorMemoryAllocation")
-    pinned, pageable = [], []
-    real_touch = hostmem.first_touch
-    monkeypatch.setattr(hostmem, "first_touch", lambda t, target: pageable.append(weakref.ref(t)) or real_touch(t, target))
+    pinned, pageable, pinned_refs = [], [], []
+    real_touch = hostmem.numa.first_touch
+    monkeypatch.setattr(hostmem.numa, "first_touch", lambda t, target: pageable.append(weakref.ref(t)) or real_touch(t, target))
 
     def empty_pinned(n):
         assert pageable[0]() is None, "the pageable buffer must be freed before pinning a second one"
         pinned.append(n)
-        return torch.zeros(n, dtype=torch.uint8)
-    monkeypatch.setattr(hostmem, "_empty_pinned", empty_pinned)
+        t = torch.zeros(n, dtype=torch.uint8)
+        pinned_refs.append(weakref.ref(t))
+        return t
+    monkeypatch.setattr(hostmem.pinning, "_empty_pinned", empty_pinned)
     n = 3 * GiB // 1024  # 3 MiB: rounds up to 4 MiB in PyTorch's pinned allocator
     buf = hostmem.pin(n, root=str(tmp_path))
     assert (buf.registered, buf.method, buf.numa_node, pinned) == (False, "pin_memory=True", None, [n])
@@ -471,10 +476,12 @@ def test_pin_register_refused_falls_back_with_one_warning(fake_cuda, tmp_path, m
                  f"up to 0.00 GiB ({4 * 2**20} bytes) is pinned"):
         assert part in msg, part
     emptied = []
-    monkeypatch.setattr(torch._C, "_host_emptyCache", lambda: emptied.append(1), raising=False)
+    monkeypatch.setattr(torch._C, "_host_emptyCache", lambda: emptied.append(pinned_refs[0]() is None),
+                        raising=False)
     buf.free()
     assert [c[0] for c in fake_cuda.calls] == ["register"]  # nothing to unregister
-    assert emptied == [1] and buf.tensor is None  # PyTorch's cached pinned block is given back
+    # PyTorch's cached pinned block is given back, after the buffer was dropped (else it stays cached)
+    assert emptied == [True] and buf.tensor is None
 
 
 def test_pin_both_refused_raises_with_the_numbers(fake_cuda, tmp_path, monkeypatch):
@@ -483,7 +490,7 @@ def test_pin_both_refused_raises_with_the_numbers(fake_cuda, tmp_path, monkeypat
 
     def refuse(n):
         raise RuntimeError("CUDA error: out of memory")
-    monkeypatch.setattr(hostmem, "_empty_pinned", refuse)
+    monkeypatch.setattr(hostmem.pinning, "_empty_pinned", refuse)
     with pytest.raises(BridgeFGOConfigError) as exc:
         hostmem.pin(5 * 2**20, root=str(tmp_path))
     msg = str(exc.value)
@@ -502,6 +509,74 @@ def test_pin_without_cuda_is_plain_and_silent(caplog, record_touch):
     assert "CUDA unavailable" in buf.method and caplog.records == [] and record_touch == []
     buf.free()
     assert buf.tensor is None
+
+
+# -- released exactly once, counted while alive ---------------------------------------------------------
+
+def live():
+    return hostmem.pinned_bytes(), hostmem.live_buffers()
+
+
+def test_free_twice_unregisters_once_and_the_count_follows(fake_cuda, tmp_path):
+    bytes0, buffers0 = live()
+    buf = hostmem.pin(3 * 2**20, root=str(tmp_path))
+    assert live() == (bytes0 + 3 * 2**20, buffers0 + 1)
+    ptr, tensor = buf.tensor.data_ptr(), weakref.ref(buf.tensor)
+    buf.free()
+    buf.free()
+    unregisters = [c for c in fake_cuda.calls if c[0] == "unregister"]
+    assert len(unregisters) == 1
+    _, uptr, tid, dev = unregisters[0]
+    # on the device it was registered for, from a throwaway thread
+    assert (uptr, dev) == (ptr, 2) and tid != threading.get_ident()
+    assert live() == (bytes0, buffers0) and tensor() is None and buf.freed and not buf.registered
+
+
+def test_dropped_without_free_the_finalizer_releases_it(fake_cuda, tmp_path):
+    """An owner caught in a reference cycle is freed only by the garbage collector: the buffer's
+    finalizer then unregisters it, once, and the count returns to where it was."""
+    class Owner:
+        pass
+
+    bytes0, buffers0 = live()
+    gc.disable()  # no collection between the drop and the explicit one below
+    try:
+        owner = Owner()
+        owner.me, owner.buf = owner, hostmem.pin(4096, root=str(tmp_path))
+        ptr, tensor = owner.buf.tensor.data_ptr(), weakref.ref(owner.buf.tensor)
+        del owner
+        assert live() == (bytes0 + 4096, buffers0 + 1) and tensor() is not None  # not collected yet
+        assert [c[0] for c in fake_cuda.calls] == ["register"]
+        gc.collect()
+    finally:
+        gc.enable()
+    assert [c[:2] for c in fake_cuda.calls if c[0] == "unregister"] == [("unregister", ptr)]
+    assert live() == (bytes0, buffers0) and tensor() is None
+    gc.collect()
+    assert len([c for c in fake_cuda.calls if c[0] == "unregister"]) == 1
+
+
+def test_unregister_failure_warns_and_still_releases(fake_cuda, tmp_path, caplog):
+    caplog.set_level(logging.WARNING, logger="bridge_fgo")
+    bytes0, buffers0 = live()
+    buf = hostmem.pin(4096, root=str(tmp_path))
+    fake_cuda.unregister_result = FakeErr(1, "cudaErrorInvalidValue")
+    buf.free()
+    msgs = [r.getMessage() for r in caplog.records]
+    assert len(msgs) == 1 and "cudaHostUnregister of 0.00 GiB (4096 bytes) failed with CUDA error 1" in msgs[0]
+    assert live() == (bytes0, buffers0) and buf.tensor is None
+
+
+def test_cpu_buffers_count_the_same_way():
+    bytes0, buffers0 = live()
+    bufs = [hostmem.pin(1000), hostmem.pin(0)]
+    assert live() == (bytes0 + 1000, buffers0 + 2)
+    assert [b.method for b in bufs] == ["unpinned (CUDA unavailable)" if not torch.cuda.is_available()
+                                        else "cudaHostRegister", "unpinned (empty)"]
+    bufs[0].free()
+    assert live() == (bytes0, buffers0 + 1)
+    del bufs  # the empty one, never freed, goes with its owner
+    assert live() == (bytes0, buffers0)
 
 
 def test_import_does_not_import_torch():
@@ -550,7 +625,7 @@ def test_refused_through_the_real_train_step_before_anything_is_pinned(monkeypat
     from support import harness
 
     available = hostmem.HostMemory(2**30, "MemAvailable", "MemAvailable 1.00 GiB (faked)", 2**30, None)
-    monkeypatch.setattr(hostmem, "host_memory", lambda root=None: available)
+    monkeypatch.setattr(hostmem.available, "host_memory", lambda root=None: available)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     pinned = []
     monkeypatch.setattr(hostmem, "pin", lambda *a, **k: pinned.append(a))

@@ -1,0 +1,99 @@
+"""The refusal: every rank of the node pins its bytes; refuse before anything is pinned when the node
+does not have them. Pinned pages can be neither swapped nor reclaimed, so a shortfall goes straight
+to the OOM killer, which picks a process on the node, not necessarily ours."""
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass
+from typing import Mapping, Optional
+
+from ..errors import BridgeFGOConfigError
+from ..log import once, rank_prefix
+from . import available
+from .common import GiB, fmt_bytes, under
+from .ranks import LocalRanks, local_ranks
+
+# The safety reserve kept free on top of what the ranks pin: max(RESERVE_MIN_BYTES, RESERVE_FRACTION x
+# available). It absorbs host memory the run grows into after the check (data-loader workers, checkpoint
+# staging, allocator caches, the CUDA driver's own host allocations), and the kernel's free-page
+# watermarks (MemAvailable already excludes the low watermark, but reclaim starts stalling near it).
+# 2 GiB covers those on a small host; 5% scales it on large ones (about 100 GiB on a 2 TiB node,
+# where eight ranks' growth of a few GiB each is the realistic margin).
+RESERVE_MIN_BYTES = 2 * GiB
+RESERVE_FRACTION = 0.05
+
+# What to change when the check refuses. bridge_fgo offloads all of the optimizer's states or none: it
+# has no partial-offload option, and an engine's chunk size (chunk_mb, where one exists) only sizes
+# the transfers; the host buffer holds every offloaded byte either way.
+FIXES = ("reduce the bytes each rank pins: more data-parallel ranks (the distributed optimizer shards its "
+         "states over them) or more tensor/pipeline parallelism (fewer parameters per rank); bridge_fgo has "
+         "no partial-offload option, and the transfer chunk size (chunk_mb) does not reduce host bytes; or "
+         "run fewer ranks on this node; or give it more host memory (a larger container/cgroup memory "
+         "limit, e.g. memory.max, docker --memory, Slurm --mem, Kubernetes resources.limits.memory)")
+
+
+@dataclass(frozen=True)
+class HostFit:
+    """The host-memory check's figures: log `describe()`, show `as_dict()` in `bridge-fgo status`."""
+    bytes_per_rank: int
+    local_ranks: int
+    local_ranks_source: str
+    needed: int                    # bytes_per_rank x local_ranks
+    reserve: int                   # kept free on top (RESERVE_MIN_BYTES / RESERVE_FRACTION)
+    available: Optional[int]       # None: nothing could be read, the check did not run
+    source: Optional[str]          # "MemAvailable", "cgroup v1", "cgroup v2"
+    detail: Optional[str]
+    fits: Optional[bool]           # None when available is unknown
+
+    def describe(self) -> str:
+        head = (f"host memory: {fmt_bytes(self.bytes_per_rank)} pinned per rank x {self.local_ranks} local "
+                f"rank(s) ({self.local_ranks_source}) = {fmt_bytes(self.needed)}")
+        if self.available is None:
+            return head + "; available host memory unknown, not checked"
+        return (head + f", plus a reserve of {fmt_bytes(self.reserve)}; available {fmt_bytes(self.available)} "
+                f"({self.source}: {self.detail}): {'fits' if self.fits else 'does NOT fit'}")
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def reserve_for(available_now: int) -> int:
+    return max(RESERVE_MIN_BYTES, int(available_now * RESERVE_FRACTION))
+
+
+def check_fits(bytes_per_rank: int, *, env: Optional[Mapping[str, str]] = None, root: Optional[str] = None,
+               ranks: Optional[int] = None) -> HostFit:
+    """Refuse, before anything is pinned, host memory the node does not have.
+
+    `bytes_per_rank` is everything this rank will pin (the sum over every optimizer in the chain).
+    Call it on every rank before any rank of the node pins: MemAvailable drops as ranks pin, so a
+    rank checking after its neighbours pinned would count their bytes twice. `ranks` overrides the
+    local rank count read from `env`. Raises BridgeFGOConfigError when bytes_per_rank x local ranks +
+    reserve exceeds what is available; returns the figures otherwise (fits=None, with one WARNING,
+    when nothing could be read). The verdict is this rank's own: bridge_fgo.agree makes it every
+    rank's."""
+    if bytes_per_rank < 0:
+        raise ValueError(f"bytes_per_rank must be >= 0, got {bytes_per_rank}")
+    if ranks is not None and int(ranks) < 1:
+        raise ValueError(f"ranks must be >= 1, got {ranks}")
+    lr = local_ranks(env) if ranks is None else LocalRanks(int(ranks), f"{int(ranks)} (given by the caller)")
+    needed = bytes_per_rank * lr.count
+    mem = available.host_memory(root)
+    if mem is None:
+        once("hostmem-unknown", logging.WARNING,
+             "%scannot read the host memory available (no MemAvailable in %s, no cgroup memory limit); "
+             "%s per rank x %d local rank(s) = %s will be pinned without a check", rank_prefix(),
+             under(root, "proc/meminfo"), fmt_bytes(bytes_per_rank), lr.count, fmt_bytes(needed))
+        return HostFit(bytes_per_rank, lr.count, lr.source, needed, 0, None, None, None, None)
+    reserve = reserve_for(mem.bytes)
+    fit = HostFit(bytes_per_rank, lr.count, lr.source, needed, reserve, mem.bytes, mem.source, mem.detail,
+                  needed == 0 or needed + reserve <= mem.bytes)  # pinning nothing cannot hurt
+    if not fit.fits:
+        raise BridgeFGOConfigError(
+            f"optimizer-state offload would pin more host memory than this node has: {fmt_bytes(bytes_per_rank)} "
+            f"per rank x {lr.count} local rank(s) ({lr.source}) = {fmt_bytes(needed)}, plus a safety reserve of "
+            f"{fmt_bytes(reserve)} (max({RESERVE_MIN_BYTES // GiB} GiB, {RESERVE_FRACTION:.0%} of available)) = "
+            f"{fmt_bytes(needed + reserve)}, but only {fmt_bytes(mem.bytes)} is available ({mem.source}: "
+            f"{mem.detail}). Pinned pages cannot be swapped or reclaimed, so this would end in the OOM killer; "
+            f"refused before anything was pinned. Fix: {FIXES}.")
+    return fit

@@ -1,0 +1,149 @@
+"""bridge_fgo.agree: one verdict for every rank. In one process (no group, a group of one), and with
+three real processes joined by gloo on 127.0.0.1: a refusal on rank 1 makes every rank raise the same
+message, promptly; no refusal, nobody raises; and the engine's sequence (check_fits on every rank
+against that rank's faked /proc/meminfo, then agree) stops all three ranks with rank 1's figures."""
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from bridge_fgo import BridgeFGOConfigError, hostmem
+from bridge_fgo.agree import agree, refusal
+
+GiB = 2**30
+WHAT = "optimizer-state offload"
+DEADLINE_S = 60  # the whole multi-process run: spawning, importing torch, rendezvous, agreeing
+
+
+# -- one process ----------------------------------------------------------------------------------------
+
+def test_refusal_lists_each_message_once_with_its_ranks():
+    verdicts = [None, "short of memory", None, "short of memory", "no cgroup", "short of memory", None, None]
+    assert refusal(WHAT, verdicts) == (
+        "optimizer-state offload: refused on rank(s) 1, 3-5 (of 8) before anything was pinned: "
+        "ranks 1, 3, 5: short of memory | rank 4: no cgroup")
+    assert refusal(WHAT, [None] * 4) is None
+    assert refusal(WHAT, [None, ""]) == f"{WHAT}: refused on rank(s) 1 (of 2) before anything was pinned: rank 1: (no message)"
+
+
+def test_without_a_process_group_the_local_verdict_stands():
+    assert not dist.is_initialized()
+    assert agree(None, WHAT) is None
+    with pytest.raises(BridgeFGOConfigError) as exc:
+        agree("this rank is short of memory", WHAT)
+    assert str(exc.value) == "this rank is short of memory"
+
+
+def test_a_group_of_one_does_not_exchange(monkeypatch):
+    def no_exchange(*a, **k):
+        raise AssertionError("a group of one has nobody to agree with")
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        monkeypatch.setattr(dist, "all_gather_object", no_exchange)
+        assert agree(None, WHAT) is None
+        with pytest.raises(BridgeFGOConfigError, match="^short$"):
+            agree("short", WHAT)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_agreeing_without_a_group_does_not_import_torch():
+    code = ("import sys, bridge_fgo.agree as a; a.agree(None, 'x')\n"
+            "try:\n    a.agree('no', 'x')\nexcept a.BridgeFGOConfigError as e:\n    print(e)\n"
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert out.stdout.split() == ["no", "False"]
+
+
+# -- three processes, gloo on loopback ------------------------------------------------------------------
+
+def _rank_main(rank, world, port, out_dir, problems, roots):
+    """One rank: join the group, decide (a given problem, or check_fits against this rank's faked
+    root), agree, and write what happened to out_dir/rank<N>.json."""
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # loopback only
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=DEADLINE_S))
+    try:
+        problem = problems[rank] if problems else None
+        if roots:
+            try:
+                hostmem.check_fits(4 * GiB, root=roots[rank], ranks=1)
+            except BridgeFGOConfigError as exc:
+                problem = str(exc)
+        t0 = time.monotonic()
+        try:
+            agree(problem, WHAT)
+            result = {"raised": None, "message": None}
+        except Exception as exc:
+            result = {"raised": type(exc).__name__, "message": str(exc)}
+        result["agree_s"] = time.monotonic() - t0
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(result, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(out_dir, problems=None, roots=None, world=3):
+    """Every rank's result; fails the test if the ranks are not all done within DEADLINE_S."""
+    t0 = time.monotonic()
+    ctx = mp.start_processes(_rank_main, args=(world, _free_port(), str(out_dir), problems, roots),
+                             nprocs=world, join=False, start_method="spawn")
+    while not ctx.join(timeout=1):
+        if time.monotonic() - t0 > DEADLINE_S:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"the {world} ranks did not finish within {DEADLINE_S} s: agree hung")
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def test_a_refusal_on_rank_1_stops_every_rank_with_one_message(tmp_path):
+    results = run_ranks(tmp_path, problems=[None, "rank 1 is short of host memory", None])
+    expected = (f"{WHAT}: refused on rank(s) 1 (of 3) before anything was pinned: "
+                "rank 1: rank 1 is short of host memory")
+    assert [r["raised"] for r in results] == ["BridgeFGOConfigError"] * 3
+    assert [r["message"] for r in results] == [expected] * 3
+    assert max(r["agree_s"] for r in results) < 15  # promptly: nobody waited out a timeout
+
+
+def test_no_refusal_nobody_raises(tmp_path):
+    results = run_ranks(tmp_path, problems=[None, None, None])
+    assert [r["raised"] for r in results] == [None] * 3
+
+
+def test_check_on_every_rank_then_agree(tmp_path):
+    """The engine's sequence: every rank checks its own host memory, then they agree. Only rank 1's
+    node is short, and all three ranks stop, each naming rank 1 and its figures."""
+    roots = []
+    for rank, avail in enumerate((100 * GiB, 1 * GiB, 100 * GiB)):
+        root = tmp_path / f"root{rank}"
+        (root / "proc").mkdir(parents=True)
+        (root / "proc" / "meminfo").write_text(f"MemTotal: {4 * avail // 1024} kB\nMemAvailable: {avail // 1024} kB\n")
+        roots.append(str(root))
+    out = tmp_path / "out"
+    out.mkdir()
+    results = run_ranks(out, roots=roots)
+    messages = {r["message"] for r in results}
+    assert [r["raised"] for r in results] == ["BridgeFGOConfigError"] * 3 and len(messages) == 1
+    msg = messages.pop()
+    assert msg.startswith(f"{WHAT}: refused on rank(s) 1 (of 3) before anything was pinned: rank 1: "
+                          "optimizer-state offload would pin more host memory than this node has")
+    for part in ("4.00 GiB (4294967296 bytes) per rank x 1 local rank(s)", "reserve of 2.00 GiB",
+                 "only 1.00 GiB (1073741824 bytes) is available (MemAvailable", roots[1]):
+        assert part in msg, part
+    assert roots[0] not in msg and roots[2] not in msg  # ranks 0 and 2 fit: no message of theirs
