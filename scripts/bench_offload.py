@@ -2,24 +2,40 @@
 """Benchmark: real Megatron-Bridge pretrain() with and without bridge_fgo's builtin offload engine.
 
   python scripts/bench_offload.py all --out-dir DIR --modes base,builtin:0,builtin:256,dev-base,dev-auto:256
+  python scripts/bench_offload.py all --out-dir DIR --optimizer te --modes base,builtin:256,builtin:256+budget=16.2
   python scripts/bench_offload.py run --mode builtin --chunk-mb 256 --out F   # one mode (under torchrun too)
+
+Modes of `all`: MODE[:CHUNK_MB][+key=value...], comma-separated; a dev- prefix runs with --dev-mcore
+first on PYTHONPATH. Keys: budget=GIB (builtin: BRIDGE_FGO_GPU_BUDGET_GIB for that run), fraction=F
+(flag/auto on Megatron-Core's chunked line: optimizer_state_offload_fraction). Each run's tag (its file
+names) is the mode with ':' and '+'/'=' dropped: builtin:256+budget=16.2 -> builtin256_budget16.2.
+
+Optimizer stack (--optimizer): torch (default; Transformer Engine and apex hidden even where
+installed), apex (apex FusedAdam; TE hidden) or te (Transformer Engine FusedAdam, optionally
+--precision-aware: bf16 moments). The model is the same local-spec model in every stack; the run
+asserts the optimizer class Megatron-Core built and records it (inner_optimizer).
 
 Parallel layouts for scripts/bench_matrix.py: --tp, --pp/--vpp, --experts/--ep (a mixture-of-experts
 model on Megatron-Core's local spec); checkpoints for scripts/check_checkpoint.py: --save/--save-interval/
 --async-save, --load/--ckpt-step/--resume-fix.
 
 Workload: Llama-style GPT, 887M parameters (16 layers, hidden 2048, ffn 5632, seq 1024, mbs 2, gbs 16),
-bf16, distributed optimizer (torch AdamW inside: no Transformer Engine), mock data, Megatron-Core's
+bf16, distributed optimizer (--optimizer picks what runs inside), mock data, Megatron-Core's
 'local' transformer implementation. Per iteration it records the forward-backward peak (from
 forward_backward_func's entry, after offload and release, to gradient finalization), the whole-
-iteration peak, step time and loss; at the end a hash of the final parameters. `all` also measures
+iteration peak, step time and loss; at the end a hash of the final parameters. Peaks from process start:
+setup_peak_gib (everything setup allocated, read at the first train_step's entry), first_iter_peak_gib,
+run_peak_gib (setup, every iteration, and what ran between iterations and after the last, such as a
+checkpoint save), resume_peak_gib (setup_peak_gib of a run with --load). `all` also measures
 pinned host<->device bandwidth with bridge_fgo's own pinned buffer, and checks the targets.
 """
 import argparse
 import hashlib
+import importlib
 import json
 import logging
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -40,7 +56,17 @@ def run(args):
     sys.path.insert(0, HERE)
     import bench_imports
 
-    bench_imports.install()
+    # before anything imports Megatron-Core: it picks its Adam at import time
+    hidden = bench_imports.stack_hides(args.optimizer)
+    bench_imports.install(hide=hidden)
+    # the stack's optimizer must import here, with its compiled parts (fail now, not after model setup)
+    for need in {"te": ("transformer_engine.pytorch.optimizers",), "apex": ("apex.optimizers", "amp_C")}.get(
+            args.optimizer, ()):
+        try:
+            importlib.import_module(need)
+        except Exception as e:  # an ImportError, or an OSError from a missing shared library
+            sys.exit(f"--optimizer {args.optimizer}: import {need} failed: {type(e).__name__}: {e} (PYTHONPATH: "
+                     f"{os.environ.get('PYTHONPATH', '')!r}); see docs/gpu-route.md")
     import bridge_fgo
 
     if args.resume_fix != "none":
@@ -69,6 +95,15 @@ def run(args):
     inner_step = T.train_step
 
     def measured_step(forward_step_func, data_iterator, model, optimizer, *a, **k):
+        # the peak since the last reset: at the first entry everything setup allocated (model, grad
+        # buffers, Megatron-Core's fp32 masters, a loaded checkpoint); later, the previous iteration's
+        # last phase and whatever ran between the two iterations
+        entry_peak = torch.cuda.max_memory_allocated() / GIB
+        if not recs:
+            held["setup_peak_gib"] = entry_peak
+            held["inner_optimizer"] = check_optimizer(optimizer, args.optimizer)
+        else:
+            recs[-1]["tail_peak_gib"] = entry_peak
         held["model"] = model
         cfg = get_model_config(model[0])
         if not getattr(cfg, "_bench_probe", False):
@@ -132,8 +167,16 @@ def run(args):
 
     # --fp16: dynamic loss scaling from --loss-scale, high enough that the first steps overflow and are skipped
     fp16 = dict(initial_loss_scale=args.loss_scale) if args.fp16 else {}
+    # --precision-aware (Transformer Engine's FusedAdam only): bf16 moments. OptimizerConfig's checks
+    # (run by Bridge's finalize): adam, the distributed optimizer, TE's FusedAdam taking the dtype
+    # arguments; main_params_dtype fp32 (then TE's FusedAdam keeps the master weights, master_weights=True,
+    # with store_param_remainders on TE >= 2.1) and main_grads_dtype fp32; Bridge: optimizer.bf16 as the
+    # model's.
+    precision = (dict(use_precision_aware_optimizer=True, main_params_dtype=torch.float32,
+                      main_grads_dtype=torch.float32, exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16)
+                 if args.precision_aware else {})
     opt = C.OptimizerConfig(optimizer="adam", lr=3e-4, min_lr=3e-5, weight_decay=0.1, bf16=not args.fp16,
-                            fp16=args.fp16, **fp16,
+                            fp16=args.fp16, **fp16, **precision,
                             adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, use_distributed_optimizer=True,
                             clip_grad=1.0)
     sched = C.SchedulerConfig(start_weight_decay=0.033, end_weight_decay=0.033, weight_decay_incr_style="constant",
@@ -152,8 +195,10 @@ def run(args):
     off = dict(masked_softmax_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
                gradient_accumulation_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
                cross_entropy_loss_fusion=False)
+    norm_override = {}
     model = GPTModelProvider(
-        transformer_layer_spec=local_layer_spec, transformer_impl="local", num_layers=args.layers,
+        transformer_layer_spec=norm_safe_spec(local_layer_spec, norm_override), transformer_impl="local",
+        num_layers=args.layers,
         hidden_size=args.hidden, ffn_hidden_size=args.ffn, num_attention_heads=args.heads, num_query_groups=args.groups,
         seq_length=1024, normalization="RMSNorm",
         gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False,
@@ -198,6 +243,13 @@ def run(args):
             opt.chunked_optimizer_state_offload = True
             if args.chunk_mb is not None:
                 opt.optimizer_state_offload_chunk_size_mb = args.chunk_mb
+    if args.offload_fraction is not None:
+        # the chunked line's share of parameter bundles whose states go to the host
+        if args.mode not in ("flag", "auto") or not hasattr(opt, "optimizer_state_offload_fraction"):
+            sys.exit(f"--offload-fraction needs --mode flag/auto on Megatron-Core's chunked line (dev since "
+                     f"2026-08-18, with optimizer_state_offload_fraction); here: --mode {args.mode}, Megatron-Core "
+                     f"from {os.path.dirname(sys.modules['megatron.core'].__file__)}")
+        opt.optimizer_state_offload_fraction = args.offload_fraction
     if args.mode in ("builtin", "auto"):
         # the per-optimizer figures, read before train() ends and unpatch would drop them
         inner_train = T.train_step
@@ -211,6 +263,8 @@ def run(args):
     t0 = time.perf_counter()
     pretrain(cfg, forward_step)
     wall = time.perf_counter() - t0
+    if recs:  # the last iteration's final phase and what ran after it (a checkpoint save at the end)
+        recs[-1]["tail_peak_gib"] = torch.cuda.max_memory_allocated() / GIB
     h = hashlib.sha256()
     for chunk in held["model"]:  # every virtual-pipeline chunk of this rank
         for p in chunk.parameters():
@@ -219,6 +273,12 @@ def run(args):
     rank = int(os.environ.get("RANK", "0"))
     summary = {
         "mode": args.mode, "chunk_mb": args.chunk_mb, "recompute": args.recompute, "rank": rank,
+        "engine_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("BRIDGE_FGO_")},
+        "offload_fraction": args.offload_fraction,
+        "optimizer": args.optimizer, "inner_optimizer": held.get("inner_optimizer"), "hidden_modules": list(hidden),
+        "precision_aware": precision_summary(opt, args.precision_aware),
+        # the final norm Megatron-Core would have used instead (apex's FusedLayerNorm has no RMSNorm)
+        "norm_override": norm_override or None,
         "layout": {"tp": args.tp, "pp": args.pp, "vpp": args.vpp, "ep": args.ep, "dp": dp, "experts": args.experts,
                    "deterministic": args.deterministic, "overlap": overlap},
         "checkpoint": {"save": args.save, "save_interval": args.save_interval, "async_save": args.async_save,
@@ -232,6 +292,13 @@ def run(args):
         "resident_gib": statistics.median(r["alloc_fwdbwd_entry_gib"] for r in steady),
         "steady_iter_peak_gib": max(r["iter_peak_gib"] for r in steady),
         "max_iter_peak_gib": max(r["iter_peak_gib"] for r in recs),
+        # from process start: setup's allocations (Megatron-Core's fp32 masters, a loaded checkpoint), the
+        # first iteration, and the maximum over setup, every iteration and the gaps between them
+        "setup_peak_gib": held["setup_peak_gib"],
+        "first_iter_peak_gib": recs[0]["iter_peak_gib"],
+        "run_peak_gib": max([held["setup_peak_gib"]] + [r["iter_peak_gib"] for r in recs]
+                            + [r["tail_peak_gib"] for r in recs if "tail_peak_gib" in r]),
+        "resume_peak_gib": held["setup_peak_gib"] if args.load else None,
         "losses": [r["loss"] for r in recs],
         "skipped_iters": [r["iter"] for r in recs if r["skipped"]],
         "final_params_sha256": h.hexdigest(),
@@ -244,6 +311,85 @@ def run(args):
             json.dump({"summary": summary, "iters": recs}, f, indent=1)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+
+
+# --optimizer -> what the module of the optimizer inside Megatron-Core's DistributedOptimizer must contain
+OPTIMIZER_MODULES = {"torch": "torch.optim", "apex": "apex.optimizers", "te": "transformer_engine"}
+
+
+def inner_optimizers(optimizer):
+    """The optimizers inside Megatron-Core's wrapper: one per chained optimizer (MoE: dense and expert)."""
+    return [getattr(o, "optimizer", o) for o in (getattr(optimizer, "chained_optimizers", None) or [optimizer])]
+
+
+def check_optimizer(optimizer, stack):
+    """'module.qualname' of the optimizer Megatron-Core built; raises if it is not the stack's."""
+    names = sorted({f"{type(o).__module__}.{type(o).__qualname__}" for o in inner_optimizers(optimizer)})
+    wrong = [n for n in names if OPTIMIZER_MODULES[stack] not in n.rsplit(".", 1)[0]]
+    if wrong or not names:
+        raise RuntimeError(f"--optimizer {stack}: Megatron-Core built {names or 'no optimizer'}, expected a class "
+                           f"from {OPTIMIZER_MODULES[stack]}; the optimizer stack is not what this run claims")
+    return names[0] if len(names) == 1 else names
+
+
+def precision_summary(opt, on):
+    if not on:
+        return None
+    return {k: str(getattr(opt, k, None)) for k in ("use_precision_aware_optimizer", "main_params_dtype",
+                                                    "main_grads_dtype", "exp_avg_dtype", "exp_avg_sq_dtype",
+                                                    "store_param_remainders")}
+
+
+def norm_safe_spec(layer_spec_fn, record):
+    """Megatron-Core's local layer spec with every norm a WrappedTorchNorm, in every optimizer stack.
+
+    Without Transformer Engine, TransformerBlock's final layer norm is `LayerNormImpl`: apex's
+    FusedLayerNorm as soon as apex imports, which has no RMSNorm; with Transformer Engine importable it
+    is TE's TENorm. Both would make the model differ between stacks (and FusedLayerNorm refuses
+    RMSNorm), so where the final norm would not be WrappedTorchNorm (what the torch stack gets) the spec
+    becomes a block spec whose final norm is megatron.core.transformer.torch_norm.WrappedTorchNorm, and
+    any FusedLayerNorm inside the layer spec is replaced too. `record` gets what was replaced
+    (the summary's norm_override); where nothing needs replacing the local spec is used unchanged."""
+
+    def spec(config, vp_stage=None):
+        import dataclasses
+        import functools
+
+        import megatron.core.transformer.transformer_block as tb
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+        try:
+            from megatron.core.fusions.fused_layer_norm import FusedLayerNorm
+        except ImportError:
+            FusedLayerNorm = None
+        layer = layer_spec_fn(config)
+        replaced = []
+
+        def walk(obj, where):
+            if isinstance(obj, functools.partial):
+                for key, value in obj.keywords.items():
+                    walk(value, f"{where}.{key}")
+                return
+            if not dataclasses.is_dataclass(obj) or isinstance(obj, type):  # ModuleSpec and *Submodules are
+                return
+            for f in dataclasses.fields(obj):
+                value = getattr(obj, f.name)
+                if FusedLayerNorm is not None and value is FusedLayerNorm:
+                    setattr(obj, f.name, WrappedTorchNorm)
+                    replaced.append(f"{where}.{f.name}")
+                else:
+                    walk(value, f"{where}.{f.name}")
+
+        walk(layer, "layer")
+        final = tb.LayerNormImpl
+        if final is WrappedTorchNorm and not replaced:
+            return layer
+        record.update(final_norm="WrappedTorchNorm", instead_of=f"{final.__module__}.{final.__qualname__}",
+                      layer_norms_replaced=sorted(set(replaced)))
+        return tb.TransformerBlockSubmodules(layer_specs=[layer] * tb.get_num_layers_to_build(config, vp_stage),
+                                             layer_norm=WrappedTorchNorm)
+
+    return spec
 
 
 def bypass_te_adam_check():
@@ -286,14 +432,15 @@ def bypass_te_adam_check():
 def bandwidth(gib=2, reps=5):
     """Pinned host<->device copy bandwidth, through the same pinned buffer the engine uses."""
     import torch
-    from bridge_fgo.engine import PinnedBuffer
+    from bridge_fgo import hostmem
 
     n = gib * GIB
     t0 = time.perf_counter()
-    host = PinnedBuffer(n, cuda=True)
+    host = hostmem.pin(n)
     pin_s = time.perf_counter() - t0
     dev = torch.empty(n, dtype=torch.uint8, device="cuda")
-    out = {"bytes": n, "pin_s": pin_s, "registered": host.registered}
+    out = {"bytes": n, "pin_s": pin_s, "registered": getattr(host, "registered", None),
+           "method": getattr(host, "method", None)}
     for name, (dst, src) in {"d2h": (host.tensor, dev), "h2d": (dev, host.tensor)}.items():
         times = []
         for _ in range(reps):
@@ -308,103 +455,231 @@ def bandwidth(gib=2, reps=5):
     return out
 
 
+# the extras of a mode, MODE[:CHUNK_MB]+key=value: key -> (the modes it applies to, how it reaches the run)
+ENGINE_KEYS = {
+    # bridge_fgo's builtin engine: a GPU memory budget in GiB (states that fit stay on the GPU)
+    "budget": (("builtin",), ("env", "BRIDGE_FGO_GPU_BUDGET_GIB")),
+    # Megatron-Core's chunked line: the share of parameter bundles whose states are offloaded
+    "fraction": (("flag", "auto"), ("arg", "--offload-fraction")),
+}
+MODES = ("base", "builtin", "flag", "auto")
+_NUMBER = re.compile(r"[0-9]+(\.[0-9]+)?")
+_TAG = re.compile(r"[A-Za-z0-9._-]+")
+
+
 def parse_modes(text):
-    """'base,builtin:0,builtin:64,dev-base,dev-auto:256' -> [(tag, mode, chunk_mb, dev)]. A mode may
-    repeat (A/B/A/B), then its tags get a run number. dev-: Megatron-Core from --dev-mcore."""
-    tokens = text.split(",")
+    """'base,builtin:256,builtin:256+budget=16.2,dev-auto:256+fraction=0.5' -> one dict per run: tag,
+    mode, chunk_mb, dev, env (variables for that run), args (extra `run` arguments), extras. A mode may
+    repeat (A/B/A/B), then its tags get a run number. dev-: Megatron-Core from --dev-mcore. Raises
+    ValueError on anything else. Tags are file-name safe: letters, digits, '.', '_', '-'."""
+    tokens = [t.strip() for t in text.split(",")]
     out = []
     for i, token in enumerate(tokens):
-        name, _, mb = token.partition(":")
+        head, *extras = token.split("+")
+        name, colon, mb = head.partition(":")
         dev = name.startswith("dev-")
         mode = name[4:] if dev else name
-        tag = name + mb
+        if mode not in MODES:
+            raise ValueError(f"{token!r}: unknown mode {mode!r}; modes: {', '.join(MODES)}, each optionally dev-")
+        if colon and not mb.isdigit():
+            raise ValueError(f"{token!r}: CHUNK_MB must be a whole number of MB")
+        run = {"tag": name + mb, "mode": mode, "chunk_mb": int(mb) if mb else None, "dev": dev, "env": {},
+               "args": [], "extras": {}}
+        for extra in extras:
+            key, eq, value = extra.partition("=")
+            if key not in ENGINE_KEYS:
+                raise ValueError(f"{token!r}: unknown key {key!r}; keys: {', '.join(ENGINE_KEYS)}")
+            modes, (kind, target) = ENGINE_KEYS[key]
+            if mode not in modes:
+                raise ValueError(f"{token!r}: {key}= applies to mode {' or '.join(modes)}, not {mode}")
+            if not eq or not _NUMBER.fullmatch(value) or float(value) <= 0:
+                raise ValueError(f"{token!r}: {key}= needs a number > 0, got {value!r}")
+            if key == "fraction" and float(value) > 1:
+                raise ValueError(f"{token!r}: fraction= is a share of the states, at most 1")
+            if key in run["extras"]:
+                raise ValueError(f"{token!r}: {key}= given twice")
+            run["extras"][key] = value
+            if kind == "env":
+                run["env"][target] = value
+            else:
+                run["args"] += [target, value]
+            run["tag"] += f"_{key}{value}"
         if tokens.count(token) > 1:
-            tag += f"_{i}"
-        out.append((tag, mode, int(mb) if mb else None, dev))
+            run["tag"] += f"_{i}"
+        if not _TAG.fullmatch(run["tag"]):
+            raise ValueError(f"{token!r}: tag {run['tag']!r} is not file-name safe")
+        out.append(run)
+    tags = [r["tag"] for r in out]
+    clash = sorted({t for t in tags if tags.count(t) > 1})
+    if clash:
+        raise ValueError(f"two different modes give the same tag {clash}")
     return out
 
 
-def checks(runs, default_mb):
-    """The streamed step's targets (issue 9), as ratios within this call."""
+def _overhead(run, ref):
+    return run["steady_step_median_s"] - ref["steady_step_median_s"]
+
+
+def _ratio(a, b):
+    return a / b if b and b > 0 else None
+
+
+def checks(runs, default_mb, extras=None):
+    """The streamed step's targets (issue 9), as ratios within this call; and, when present, the budget
+    runs (peak against budget, overhead against the full-offload streamed run's) and the chunked line
+    (overhead ratios). `extras`: tag -> {key: value} from parse_modes."""
+    extras = extras or {}
     base, one, streamed = runs.get("base"), runs.get("builtin0"), runs.get(f"builtin{default_mb}")
-    dev_base, chunked = runs.get("dev-base"), next((v for k, v in runs.items() if k.startswith("dev-auto")), None)
-    if not (base and streamed):
-        return {}
-    sess = streamed["sessions"]
-    step_peak = sum(s.get("step_peak_bytes", 0) for s in sess) / GIB
-    offloaded = sum(s.get("bytes", 0) for s in sess)
-    pinned = sum(s.get("pinned_bytes", 0) for s in sess)
-    masters = sum(s.get("master_bytes", 0) for s in sess) / GIB
-    floor = max(streamed["steady_fwdbwd_peak_gib"], streamed["resident_gib"])
-    bound = (floor + step_peak) * 1.03
-    overhead = streamed["steady_step_median_s"] - base["steady_step_median_s"]
-    out = {
-        "whole_iteration_peak_gib": {k: v["steady_iter_peak_gib"] for k, v in runs.items()},
-        "forward_backward_peak_gib": {k: v["steady_fwdbwd_peak_gib"] for k, v in runs.items()},
-        "steady_step_median_s": {k: v["steady_step_median_s"] for k, v in runs.items()},
-        "first_iter_s": {k: v["first_iter_s"] for k, v in runs.items()},
-        "losses_bit_identical": len({json.dumps(v["losses"]) for v in runs.values()}) == 1,
-        "final_params_identical": len({v["final_params_sha256"] for v in runs.values()}) == 1,
-        "peak_bound_gib": bound,
-        "peak_within_bound": streamed["steady_iter_peak_gib"] <= bound,
-        "step_peak_gib": step_peak,
-        "master_gib": masters,
-        "builtin_overhead_s": overhead,
-        "first_iter_ratio": streamed["first_iter_s"] / base["first_iter_s"],
-        "first_iter_within_1_2x": streamed["first_iter_s"] <= 1.2 * base["first_iter_s"],
-        "bytes_offloaded": offloaded,
-        "pinned_over_offloaded": pinned / offloaded if offloaded else None,
-        "pinned_within_5pct": bool(offloaded) and abs(pinned / offloaded - 1) <= 0.05,
-    }
-    if one:
-        out["one_window_peak_gib"] = one["steady_iter_peak_gib"]
-    if chunked:
-        chunked_overhead = chunked["steady_step_median_s"] - (dev_base or base)["steady_step_median_s"]
-        gap = chunked["steady_iter_peak_gib"] - streamed["steady_iter_peak_gib"]
+    dev_base = runs.get("dev-base")
+    chunked_tags = [k for k in runs if k.startswith("dev-auto") and not extras.get(k)]
+    chunked = runs[chunked_tags[0]] if chunked_tags else None
+    out = {}
+    if runs:
         out.update({
-            "chunked_overhead_s": chunked_overhead,
-            "overhead_over_chunked": overhead / chunked_overhead if chunked_overhead > 0 else None,
-            "overhead_within_0_8x_chunked": overhead <= 0.8 * chunked_overhead,
-            "peak_below_chunked_gib": gap,
-            "peak_below_chunked_over_masters": gap / masters if masters else None,
-            "peak_below_chunked_by_80pct_masters": bool(masters) and gap >= 0.8 * masters,
+            "whole_iteration_peak_gib": {k: v["steady_iter_peak_gib"] for k, v in runs.items()},
+            "run_peak_gib": {k: v.get("run_peak_gib") for k, v in runs.items()},
+            "setup_peak_gib": {k: v.get("setup_peak_gib") for k, v in runs.items()},
+            "forward_backward_peak_gib": {k: v["steady_fwdbwd_peak_gib"] for k, v in runs.items()},
+            "steady_step_median_s": {k: v["steady_step_median_s"] for k, v in runs.items()},
+            "first_iter_s": {k: v["first_iter_s"] for k, v in runs.items()},
+            "inner_optimizer": {k: v.get("inner_optimizer") for k, v in runs.items()},
+            "losses_bit_identical": len({json.dumps(v["losses"]) for v in runs.values()}) == 1,
+            "final_params_identical": len({v["final_params_sha256"] for v in runs.values()}) == 1,
         })
+    overhead = _overhead(streamed, base) if base and streamed else None
+    if base and streamed:
+        sess = streamed["sessions"]
+        step_peak = sum(s.get("step_peak_bytes", 0) for s in sess) / GIB
+        offloaded = sum(s.get("bytes", 0) for s in sess)
+        pinned = sum(s.get("pinned_bytes", 0) for s in sess)
+        masters = sum(s.get("master_bytes", 0) for s in sess) / GIB
+        floor = max(streamed["steady_fwdbwd_peak_gib"], streamed["resident_gib"])
+        bound = (floor + step_peak) * 1.03
+        out.update({
+            "peak_bound_gib": bound,
+            "peak_within_bound": streamed["steady_iter_peak_gib"] <= bound,
+            "step_peak_gib": step_peak,
+            "master_gib": masters,
+            "builtin_overhead_s": overhead,
+            "first_iter_ratio": streamed["first_iter_s"] / base["first_iter_s"],
+            "first_iter_within_1_2x": streamed["first_iter_s"] <= 1.2 * base["first_iter_s"],
+            "bytes_offloaded": offloaded,
+            "pinned_over_offloaded": pinned / offloaded if offloaded else None,
+            "pinned_within_5pct": bool(offloaded) and abs(pinned / offloaded - 1) <= 0.05,
+        })
+        if one:
+            out["one_window_peak_gib"] = one["steady_iter_peak_gib"]
+        if chunked:
+            chunked_overhead = _overhead(chunked, dev_base or base)
+            gap = chunked["steady_iter_peak_gib"] - streamed["steady_iter_peak_gib"]
+            out.update({
+                "chunked_overhead_s": chunked_overhead,
+                "overhead_over_chunked": _ratio(overhead, chunked_overhead),
+                "overhead_within_0_8x_chunked": overhead <= 0.8 * chunked_overhead,
+                "peak_below_chunked_gib": gap,
+                "peak_below_chunked_over_masters": gap / masters if masters else None,
+                "peak_below_chunked_by_80pct_masters": bool(masters) and gap >= 0.8 * masters,
+            })
+    budget = {}
+    for tag, extra in extras.items():
+        if "budget" not in extra or tag not in runs:
+            continue
+        r, gib = runs[tag], float(extra["budget"])
+        entry = {"budget_gib": gib, "whole_iteration_peak_gib": r["steady_iter_peak_gib"],
+                 "run_peak_gib": r.get("run_peak_gib"),
+                 "peak_within_budget": r["steady_iter_peak_gib"] <= gib,
+                 "run_peak_within_budget": r.get("run_peak_gib") is not None and r["run_peak_gib"] <= gib}
+        if base:
+            entry["overhead_s"] = _overhead(r, base)
+            entry["overhead_over_streamed"] = _ratio(entry["overhead_s"], overhead)
+        budget[tag] = entry
+    if budget:
+        out["budget_runs"] = budget
+    line = {}
+    for tag in (k for k in runs if k.startswith("dev-auto") or k.startswith("auto")):
+        ref = dev_base if tag.startswith("dev-") and dev_base else base
+        if not ref:
+            continue
+        r = runs[tag]
+        entry = {"offload_fraction": (extras.get(tag) or {}).get("fraction"), "overhead_s": _overhead(r, ref),
+                 "step_over_base": _ratio(r["steady_step_median_s"], ref["steady_step_median_s"]),
+                 "whole_iteration_peak_gib": r["steady_iter_peak_gib"]}
+        if chunked and tag not in chunked_tags:
+            entry["overhead_over_full_chunked"] = _ratio(entry["overhead_s"], _overhead(chunked, dev_base or base))
+        if overhead is not None:
+            entry["streamed_overhead_over_this"] = _ratio(overhead, entry["overhead_s"])
+        line[tag] = entry
+    if line:
+        out["chunked_line"] = line
     return out
+
+
+def peak_line(tag, s):
+    """One run's line in `all`: whole-iteration peak first, then the peaks from process start."""
+    def gib(key):
+        v = s.get(key)
+        return "-" if v is None else f"{v:.2f}"
+
+    return (f"{tag}: iteration peak {gib('steady_iter_peak_gib')} GiB (run {gib('run_peak_gib')}, setup "
+            f"{gib('setup_peak_gib')}, first iteration {gib('first_iter_peak_gib')}"
+            + (f", resume {gib('resume_peak_gib')}" if s.get("resume_peak_gib") is not None else "")
+            + f"), forward-backward {gib('steady_fwdbwd_peak_gib')} GiB, step {s['steady_step_median_s']:.3f} s, "
+            f"first {s['first_iter_s']:.2f} s, {s.get('inner_optimizer')}")
 
 
 def run_all(args):
+    try:
+        runs = parse_modes(args.modes)
+    except ValueError as e:
+        sys.exit(f"--modes: {e}")
     os.makedirs(args.out_dir, exist_ok=True)
     results = {}
-    for tag, mode, chunk_mb, dev in parse_modes(args.modes):
+    managed = [target for _, (kind, target) in ENGINE_KEYS.values() if kind == "env"]
+    for run in runs:
+        tag = run["tag"]
         path = os.path.join(args.out_dir, f"{tag}.json")
         log = os.path.join(args.out_dir, f"{tag}.log")
-        env = dict(os.environ)
-        if dev:
+        # a variable a mode can set is that mode's alone: never inherited from the caller's shell
+        env = {k: v for k, v in os.environ.items() if k not in managed}
+        env.update(run["env"])
+        if run["dev"]:
             env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.abspath(args.dev_mcore), env.get("PYTHONPATH")) if p)
-        cmd = [sys.executable, os.path.abspath(__file__), "run", "--mode", mode, "--iters", str(args.iters),
-               "--out", path]
-        cmd += ["--chunk-mb", str(chunk_mb)] if chunk_mb is not None else []
+        cmd = [sys.executable, os.path.abspath(__file__), "run", "--mode", run["mode"], "--iters", str(args.iters),
+               "--out", path, "--optimizer", args.optimizer, *run["args"]]
+        cmd += ["--chunk-mb", str(run["chunk_mb"])] if run["chunk_mb"] is not None else []
+        cmd += ["--precision-aware"] if args.precision_aware else []
         cmd += ["--recompute"] if args.recompute else []
         cmd += ["--fp16"] if args.fp16 else []
         cmd += ["--bypass-te-adam-check"] if args.bypass_te_adam_check else []
         with open(log, "w") as f:
+            f.write("$ " + " ".join(f"{k}={v}" for k, v in run["env"].items()) + (" " if run["env"] else "")
+                    + " ".join(cmd) + "\n")
+            f.flush()
             rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
         if rc != 0:
             print(f"{tag} run failed (rc={rc}); see {log}", flush=True)
             continue
         with open(path) as f:
             results[tag] = json.load(f)["summary"]
-        print(f"{tag}: iteration peak {results[tag]['steady_iter_peak_gib']:.2f} GiB, forward-backward "
-              f"{results[tag]['steady_fwdbwd_peak_gib']:.2f} GiB, step {results[tag]['steady_step_median_s']:.3f} s, "
-              f"first {results[tag]['first_iter_s']:.2f} s", flush=True)
+        print(peak_line(tag, results[tag]), flush=True)
     summary = {"workload": "887M" + (" full recompute" if args.recompute else "") + (" fp16" if args.fp16 else ""),
-               "runs": results,
-               "checks": checks(results, args.default_chunk_mb)}
+               "optimizer": args.optimizer + (" precision-aware" if args.precision_aware else ""),
+               "modes": args.modes, "runs": results,
+               "checks": checks(results, args.default_chunk_mb, {r["tag"]: r["extras"] for r in runs})}
     if args.bandwidth:
         summary["bandwidth"] = bandwidth()
     with open(os.path.join(args.out_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     print(json.dumps(summary["checks"], indent=1))
+
+
+def add_optimizer_args(p):
+    p.add_argument("--optimizer", choices=tuple(OPTIMIZER_MODULES), default="torch",
+                   help="the Adam Megatron-Core builds: torch (AdamW; Transformer Engine and apex hidden even where "
+                        "installed), apex (FusedAdam; Transformer Engine hidden) or te (Transformer Engine's "
+                        "FusedAdam; apex hidden). The run fails unless Megatron-Core built that one")
+    p.add_argument("--precision-aware", action="store_true",
+                   help="with --optimizer te: use_precision_aware_optimizer with bf16 exp_avg and exp_avg_sq")
 
 
 def main():
@@ -418,6 +693,9 @@ def main():
                    help="test-only: let the dev-line offloader accept torch AdamW (see bypass_te_adam_check)")
     r.add_argument("--iters", type=int, default=10)
     r.add_argument("--chunk-mb", type=int, help="builtin: bridge_fgo's window; auto: Megatron-Core's chunk size")
+    add_optimizer_args(r)
+    r.add_argument("--offload-fraction", type=float, metavar="F",
+                   help="flag/auto on Megatron-Core's chunked line: optimizer_state_offload_fraction (0 < F <= 1)")
     r.add_argument("--recompute", action="store_true", help="full activation recomputation")
     r.add_argument("--save", help="save torch_dist checkpoints here (at the last iteration, or every --save-interval)")
     r.add_argument("--save-interval", type=int)
@@ -446,7 +724,10 @@ def main():
     a.add_argument("--out-dir", required=True)
     a.add_argument("--iters", type=int, default=10)
     a.add_argument("--modes", default="base,builtin:0,builtin:256",
-                   help="comma-separated MODE[:CHUNK_MB]; a dev- prefix runs with --dev-mcore first on PYTHONPATH")
+                   help="comma-separated MODE[:CHUNK_MB][+key=value...]; a dev- prefix runs with --dev-mcore first "
+                        "on PYTHONPATH; keys: budget=GIB (builtin: BRIDGE_FGO_GPU_BUDGET_GIB), fraction=F (flag/auto: "
+                        "optimizer_state_offload_fraction), e.g. builtin:256+budget=16.2,dev-auto:256+fraction=0.5")
+    add_optimizer_args(a)
     a.add_argument("--dev-mcore", default=".mlm", help="a Megatron-LM source tree (its megatron/core) for dev- modes")
     a.add_argument("--default-chunk-mb", type=int, default=256, help="the window the targets judge")
     a.add_argument("--recompute", action="store_true")
@@ -454,6 +735,18 @@ def main():
     a.add_argument("--bandwidth", action="store_true", help="also measure pinned host<->device bandwidth")
     a.add_argument("--bypass-te-adam-check", action="store_true")
     args = ap.parse_args()
+    if args.precision_aware and args.optimizer != "te":
+        ap.error("--precision-aware needs --optimizer te (Megatron-Core takes it only from Transformer Engine's FusedAdam)")
+    if args.cmd == "run" and args.offload_fraction is not None:
+        if not 0 < args.offload_fraction <= 1:
+            ap.error("--offload-fraction must be in (0, 1]")
+        if args.mode not in ("flag", "auto"):
+            ap.error("--offload-fraction needs --mode flag or auto (Megatron-Core's chunked line)")
+    if args.cmd == "all":
+        try:
+            parse_modes(args.modes)
+        except ValueError as e:
+            ap.error(f"--modes: {e}")
     run(args) if args.cmd == "run" else run_all(args)
 
 

@@ -1,0 +1,120 @@
+"""scripts/bench_offload.py's mode grammar, checks and optimizer-stack helpers, and
+scripts/bench_imports.py's blocker: no GPU, no torch (the parser must import without it)."""
+import importlib
+import os
+import subprocess
+import sys
+
+import pytest
+
+SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
+sys.path.insert(0, SCRIPTS)
+bench = importlib.import_module("bench_offload")
+bench_imports = importlib.import_module("bench_imports")
+
+
+def test_imports_without_torch():
+    code = "import sys; import bench_offload; assert 'torch' not in sys.modules and 'megatron' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=SCRIPTS)
+
+
+def test_plain_modes_keep_their_tags():
+    runs = bench.parse_modes("base,builtin:0,builtin:256,dev-base,dev-auto:256")
+    assert [r["tag"] for r in runs] == ["base", "builtin0", "builtin256", "dev-base", "dev-auto256"]
+    assert [(r["mode"], r["chunk_mb"], r["dev"]) for r in runs][-1] == ("auto", 256, True)
+    assert all(r["env"] == {} and r["args"] == [] for r in runs)
+
+
+def test_budget_and_fraction():
+    budget, fraction = bench.parse_modes("builtin:256+budget=16.2,dev-auto:256+fraction=0.5")
+    assert budget["tag"] == "builtin256_budget16.2"
+    assert budget["env"] == {"BRIDGE_FGO_GPU_BUDGET_GIB": "16.2"} and budget["args"] == []
+    assert fraction["tag"] == "dev-auto256_fraction0.5"
+    assert fraction["args"] == ["--offload-fraction", "0.5"] and fraction["env"] == {} and fraction["dev"]
+    assert fraction["extras"] == {"fraction": "0.5"}
+
+
+def test_repeats_are_numbered_and_tags_file_safe():
+    runs = bench.parse_modes("base,builtin:256+budget=12,base,builtin:256+budget=12")
+    assert [r["tag"] for r in runs] == ["base_0", "builtin256_budget12_1", "base_2", "builtin256_budget12_3"]
+    assert all(bench._TAG.fullmatch(r["tag"]) for r in runs)
+
+
+@pytest.mark.parametrize("text", [
+    "nope", "builtin:x", "base+budget=3", "builtin:256+budget", "builtin:256+budget=-1", "builtin:256+budget=1e3",
+    "builtin:256+budget=0", "dev-auto:256+fraction=1.5", "builtin:256+fraction=0.5", "builtin:256+color=3",
+    "builtin:256+budget=3+budget=4", "builtin:256+budget=3/4",
+])
+def test_bad_modes_are_refused(text):
+    with pytest.raises(ValueError):
+        bench.parse_modes(text)
+
+
+def summary(step, peak, **kw):
+    s = {"steady_iter_peak_gib": peak, "steady_fwdbwd_peak_gib": peak - 1, "steady_step_median_s": step,
+         "first_iter_s": 2 * step, "losses": [1.0], "final_params_sha256": "x", "resident_gib": 5.0,
+         "sessions": [{"bytes": 100, "pinned_bytes": 100, "master_bytes": 0, "step_peak_bytes": 0}],
+         "run_peak_gib": peak + 0.5, "setup_peak_gib": 3.0, "inner_optimizer": "torch.optim.adamw.AdamW"}
+    s.update(kw)
+    return s
+
+
+def test_checks_report_budget_and_chunked_line():
+    runs = bench.parse_modes("base,builtin:256,builtin:256+budget=16.2,dev-base,dev-auto:256,"
+                             "dev-auto:256+fraction=0.5")
+    results = {"base": summary(0.6, 20.0), "builtin256": summary(1.0, 10.0),
+               "builtin256_budget16.2": summary(0.8, 16.0), "dev-base": summary(0.6, 20.0),
+               "dev-auto256": summary(1.1, 11.0), "dev-auto256_fraction0.5": summary(0.9, 15.0)}
+    c = bench.checks(results, 256, {r["tag"]: r["extras"] for r in runs})
+    b = c["budget_runs"]["builtin256_budget16.2"]
+    assert b["budget_gib"] == 16.2 and b["peak_within_budget"] and not b["run_peak_within_budget"]
+    assert b["overhead_over_streamed"] == pytest.approx(0.2 / 0.4)
+    line = c["chunked_line"]
+    assert c["chunked_overhead_s"] == pytest.approx(0.5)  # the full chunked run, not the fraction one
+    assert line["dev-auto256_fraction0.5"]["overhead_over_full_chunked"] == pytest.approx(0.3 / 0.5)
+    assert line["dev-auto256"]["step_over_base"] == pytest.approx(1.1 / 0.6)
+    assert c["run_peak_gib"]["base"] == 20.5
+
+
+def test_checks_without_base_still_report_runs():
+    c = bench.checks({"builtin256": summary(1.0, 10.0)}, 256)
+    assert c["whole_iteration_peak_gib"] == {"builtin256": 10.0} and "builtin_overhead_s" not in c
+
+
+def test_peak_line_puts_the_whole_iteration_peak_first():
+    line = bench.peak_line("base", summary(0.6, 20.0, first_iter_peak_gib=19.0, resume_peak_gib=None))
+    assert line.startswith("base: iteration peak 20.00 GiB (run 20.50, setup 3.00, first iteration 19.00)")
+
+
+def _optimizer(module):
+    cls = type("FusedAdam", (), {"__module__": module})
+    return type("Wrapper", (), {"optimizer": cls()})()
+
+
+def test_check_optimizer():
+    assert bench.check_optimizer(_optimizer("transformer_engine.pytorch.optimizers.fused_adam"), "te") == \
+        "transformer_engine.pytorch.optimizers.fused_adam.FusedAdam"
+    chained = type("Chained", (), {"chained_optimizers": [_optimizer("apex.optimizers.fused_adam")] * 2})()
+    assert bench.check_optimizer(chained, "apex") == "apex.optimizers.fused_adam.FusedAdam"
+    with pytest.raises(RuntimeError, match="expected a class from torch.optim"):
+        bench.check_optimizer(_optimizer("apex.optimizers.fused_adam"), "torch")
+
+
+def test_blocker_hides_an_installed_package(tmp_path, monkeypatch):
+    (tmp_path / "bench_hidden_pkg").mkdir()
+    (tmp_path / "bench_hidden_pkg" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    blocker = bench_imports.Blocker(("bench_hidden_pkg",))
+    monkeypatch.setattr(sys, "meta_path", [blocker, *sys.meta_path])
+    assert not bench_imports.present("bench_hidden_pkg")
+    with pytest.raises(ImportError):
+        importlib.import_module("bench_hidden_pkg")
+    with pytest.raises(ImportError):
+        importlib.import_module("bench_hidden_pkg.sub")
+    assert "bench_hidden_pkg" not in sys.modules
+
+
+def test_stacks_hide_the_other_optimizers():
+    assert "transformer_engine" in bench_imports.stack_hides("torch") and "apex" in bench_imports.stack_hides("torch")
+    assert "transformer_engine" in bench_imports.stack_hides("apex") and "apex" not in bench_imports.stack_hides("apex")
+    assert "transformer_engine" not in bench_imports.stack_hides("te")
