@@ -100,9 +100,14 @@ def _free_port():
 
 
 def run_ranks(out_dir, problems=None, roots=None, world=3):
-    """Every rank's result; fails the test if the ranks are not all done within DEADLINE_S."""
+    return run_ranks_with(_rank_main, out_dir, problems, roots, world=world)
+
+
+def run_ranks_with(main, out_dir, *args, world=3):
+    """main(rank, world, port, out_dir, *args) in `world` spawned processes; every rank's result (its
+    out_dir/rank<N>.json); fails the test if the ranks are not all done within DEADLINE_S."""
     t0 = time.monotonic()
-    ctx = mp.start_processes(_rank_main, args=(world, _free_port(), str(out_dir), problems, roots),
+    ctx = mp.start_processes(main, args=(world, _free_port(), str(out_dir), *args),
                              nprocs=world, join=False, start_method="spawn")
     while not ctx.join(timeout=1):
         if time.monotonic() - t0 > DEADLINE_S:
