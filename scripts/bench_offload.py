@@ -464,6 +464,10 @@ ENGINE_KEYS = {
 }
 MODES = ("base", "builtin", "flag", "auto")
 _NUMBER = re.compile(r"[0-9]+(\.[0-9]+)?")
+# Values resolved from the runs before them in the same call (issue 17's benchmark): budget=half is
+# halfway between the no-offload run's whole-iteration peak and the full-offload streamed run's;
+# fraction=moved is the share of the state bytes the first budget run still moved each step.
+SYMBOLIC = {"budget": "half", "fraction": "moved"}
 _TAG = re.compile(r"[A-Za-z0-9._-]+")
 
 
@@ -492,9 +496,10 @@ def parse_modes(text):
             modes, (kind, target) = ENGINE_KEYS[key]
             if mode not in modes:
                 raise ValueError(f"{token!r}: {key}= applies to mode {' or '.join(modes)}, not {mode}")
-            if not eq or not _NUMBER.fullmatch(value) or float(value) <= 0:
-                raise ValueError(f"{token!r}: {key}= needs a number > 0, got {value!r}")
-            if key == "fraction" and float(value) > 1:
+            symbolic = value == SYMBOLIC.get(key)
+            if not symbolic and (not eq or not _NUMBER.fullmatch(value) or float(value) <= 0):
+                raise ValueError(f"{token!r}: {key}= needs a number > 0 (or {SYMBOLIC[key]}), got {value!r}")
+            if key == "fraction" and not symbolic and float(value) > 1:
                 raise ValueError(f"{token!r}: fraction= is a share of the states, at most 1")
             if key in run["extras"]:
                 raise ValueError(f"{token!r}: {key}= given twice")
@@ -627,6 +632,32 @@ def peak_line(tag, s):
             f"first {s['first_iter_s']:.2f} s, {s.get('inner_optimizer')}")
 
 
+def resolve_symbolic(run, results, default_mb) -> bool:
+    """Replace budget=half / fraction=moved by numbers from the runs already made (False: cannot)."""
+    for key, word in SYMBOLIC.items():
+        if run["extras"].get(key) != word:
+            continue
+        if key == "budget":
+            base, full = results.get("base"), results.get(f"builtin{default_mb}")
+            if not (base and full):
+                return False
+            value = f"{(base['steady_iter_peak_gib'] + full['steady_iter_peak_gib']) / 2:.3f}"
+        else:
+            budgeted = next((r for t, r in results.items() if "_budget" in t), None)
+            sess = budgeted and budgeted.get("sessions")
+            if not sess:
+                return False
+            moved, resident = sum(s.get("bytes", 0) for s in sess), sum(s.get("resident_bytes") or 0 for s in sess)
+            value = f"{moved / (moved + resident):.4f}" if moved + resident else "1"
+        run["extras"][key] = value
+        kind, target = ENGINE_KEYS[key][1]
+        if kind == "env":
+            run["env"][target] = value
+        else:
+            run["args"] = [a if a != word else value for a in run["args"]]
+    return True
+
+
 def run_all(args):
     try:
         runs = parse_modes(args.modes)
@@ -637,6 +668,9 @@ def run_all(args):
     managed = [target for _, (kind, target) in ENGINE_KEYS.values() if kind == "env"]
     for run in runs:
         tag = run["tag"]
+        if not resolve_symbolic(run, results, args.default_chunk_mb):
+            print(f"{tag}: skipped, the runs its values come from are missing", flush=True)
+            continue
         path = os.path.join(args.out_dir, f"{tag}.json")
         log = os.path.join(args.out_dir, f"{tag}.log")
         # a variable a mode can set is that mode's alone: never inherited from the caller's shell

@@ -118,3 +118,16 @@ def test_stacks_hide_the_other_optimizers():
     assert "transformer_engine" in bench_imports.stack_hides("torch") and "apex" in bench_imports.stack_hides("torch")
     assert "transformer_engine" in bench_imports.stack_hides("apex") and "apex" not in bench_imports.stack_hides("apex")
     assert "transformer_engine" not in bench_imports.stack_hides("te")
+
+
+def test_symbolic_budget_and_fraction_come_from_the_runs_before():
+    runs = bench.parse_modes("base,builtin:256,builtin:256+budget=half,dev-auto:256+fraction=moved")
+    results = {"base": {"steady_iter_peak_gib": 20.0}, "builtin256": {"steady_iter_peak_gib": 10.0}}
+    assert not bench.resolve_symbolic(runs[3], results, 256)  # no budget run yet
+    assert bench.resolve_symbolic(runs[2], results, 256)
+    assert runs[2]["env"] == {"BRIDGE_FGO_GPU_BUDGET_GIB": "15.000"} and runs[2]["extras"]["budget"] == "15.000"
+    results["builtin256_budgethalf"] = {"sessions": [{"bytes": 3 * 2**30, "resident_bytes": 2**30}]}
+    assert bench.resolve_symbolic(runs[3], results, 256)
+    assert runs[3]["args"] == ["--offload-fraction", "0.7500"]
+    with pytest.raises(ValueError, match="or half"):
+        bench.parse_modes("builtin:256+budget=quarter")
