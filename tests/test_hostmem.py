@@ -532,6 +532,23 @@ def test_free_twice_unregisters_once_and_the_count_follows(fake_cuda, tmp_path):
     assert live() == (bytes0, buffers0) and tensor() is None and buf.freed and not buf.registered
 
 
+def test_unpin_in_place_keeps_the_data_and_repin_pins_it_again(fake_cuda, tmp_path):
+    """Between two trainings the states stay in the same memory, unpinned: nothing stays locked."""
+    bytes0, buffers0 = live()
+    buf = hostmem.pin(8192, root=str(tmp_path))
+    buf.tensor[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)
+    ptr = buf.tensor.data_ptr()
+    assert buf.unpin() and buf.unpinned and not buf.registered
+    assert live() == (bytes0, buffers0 + 1)  # not pinned any more, still alive
+    assert buf.tensor.data_ptr() == ptr and buf.tensor[:4].tolist() == [1, 2, 3, 4]
+    buf.repin()
+    assert buf.registered and live() == (bytes0 + 8192, buffers0 + 1)
+    buf.unpin()
+    buf.free()  # released while unpinned: no second unregister
+    assert [c[0] for c in fake_cuda.calls] == ["register", "unregister", "register", "unregister"]
+    assert live() == (bytes0, buffers0)
+
+
 def test_dropped_without_free_the_finalizer_releases_it(fake_cuda, tmp_path):
     """An owner caught in a reference cycle is freed only by the garbage collector: the buffer's
     finalizer then unregisters it, once, and the count returns to where it was."""

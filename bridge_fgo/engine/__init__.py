@@ -13,12 +13,11 @@ Session. Importing this package imports no torch.
 """
 from __future__ import annotations
 
-import logging
 import time
 from typing import Dict, List, Optional
 
 from .. import hostmem
-from ..log import logger, once, rank_prefix
+from ..log import logger, rank_prefix
 
 MIB = 2**20
 GIB = 2**30
@@ -77,21 +76,15 @@ class BuiltinAdapter:
     def close(self) -> None:
         self.engine.close()
 
-    def keeps_on_host(self) -> Optional[str]:
-        """Why the states cannot come back to the GPU at the end of training (None: they can)."""
-        import torch
-
-        device = self.engine.device
-        back = self.engine.bytes if self.chunk_mb else 0  # one window: already on the GPU after a step
-        if not back or device is None or device.type != "cuda" or self.engine.buffer is None:
-            return None
-        free, _ = torch.cuda.mem_get_info(device)
-        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        if back <= free:
-            return None
-        return (f"the {back / GIB:.2f} GiB of optimizer states do not fit back on the GPU ({free / GIB:.2f} GiB "
-                "free): they stay in pinned host memory, readable as before, until unpatch() or until the "
-                "optimizer is garbage-collected")
+    def end_training(self) -> bool:
+        """train() returned: nothing stays pinned. The streamed step parks (states in the unpinned
+        host buffer, the session kept for a next train() or unpatch()); the one window's states are on
+        the GPU after a step, so it closes. True if closed."""
+        if self.chunk_mb:
+            self.engine.park()
+            return False
+        self.engine.close()
+        return True
 
     # -- what it says ---------------------------------------------------------------------------------
     def window(self) -> str:
@@ -128,6 +121,3 @@ class BuiltinAdapter:
 def build(dist_optimizers, options) -> BuiltinAdapter:
     return BuiltinAdapter(dist_optimizers, chunk_mb=options.chunk_mb, gpu_budget_gib=options.gpu_budget_gib)
 
-
-def warn_kept(reason: str) -> None:
-    once(("kept-on-host",), logging.WARNING, "%s%s", rank_prefix(), reason)

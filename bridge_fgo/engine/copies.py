@@ -22,6 +22,8 @@ DONE = _Done()
 
 
 class DeviceCopies:
+    device_copies = True
+
     def __init__(self, device):
         import torch
 
@@ -92,6 +94,8 @@ class _Deferred:
 
 
 class DeferredCopies:
+    device_copies = False
+
     def __init__(self, device=None):
         self.device = device
         self._ops: Dict[str, list] = {"h2d": [], "d2h": []}

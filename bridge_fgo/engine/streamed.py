@@ -117,6 +117,7 @@ class StreamedEngine:
         self._stepped = False
         self.budget_note: Optional[str] = None
         self.setup_peak: Optional[int] = None
+        self._held_after_backward = 0  # bytes the allocator held right after the first backward (budget)
         self._planned = False
         self.host_wait = copies_mod.Stopwatch()
 
@@ -154,9 +155,14 @@ class StreamedEngine:
         return layout.window_bytes(self.chunks)
 
     def prepare(self) -> None:
-        """Before the first step: pin the host buffer once, for the plan (after every rank's check)."""
+        """Before the first step: pin the host buffer once, for the plan (after every rank's check).
+        A training after a parked one pins the same buffer again, in place."""
         import torch
 
+        if self.buffer is not None and self.buffer.unpinned:
+            self.buffer.repin()
+            self.setup_peak = torch.cuda.max_memory_allocated(self.device) if self.copies.device_copies else None
+            return
         nbytes = self.plan_bytes() if not self._planned else max((b.end for p in self.parts for b in p.bundles),
                                                                   default=0)
         cuda = self.device is not None and self.device.type == "cuda"
@@ -251,6 +257,13 @@ class StreamedEngine:
             self._hooks.set(part.opt, "_copy_main_params_to_model_params", functools.partial(self._copy_rest, part))
         self.armed = True
         self._started, self._copied_masters, self._stepped = set(), set(), False
+        if self.budget_bytes is not None and self.budget_note is None and self.copies.device_copies:
+            import torch
+
+            # right after backward: the caching allocator still holds the forward-backward peak's memory
+            # (only empty_cache gives it back, and Megatron calls that after this point)
+            self._held_after_backward = max(self._held_after_backward,
+                                            torch.cuda.memory_reserved(self.device))
         if self.chunks:
             self.window.open()
             for i in range(min(2, len(self.chunks))):
@@ -302,9 +315,16 @@ class StreamedEngine:
         self.tail = None
         self._drop_guards()
 
+    def park(self) -> None:
+        """train() is over: every copy finished, the states stay where they are between steps (host
+        memory) and the buffer is unpinned in place, so nothing stays locked and no GPU memory is taken
+        back; a next train() pins it again (prepare), unpatch() brings the states to the GPU (close)."""
+        self.settle(wait=True)
+        if self.buffer is not None:
+            self.buffer.unpin()
+
     def close(self) -> None:
-        """End of training or unpatch: states back on the GPU as ordinary tensors, the host buffer
-        freed (exactly once)."""
+        """Unpatch: states back on the GPU as ordinary tensors, the host buffer freed (exactly once)."""
         self.settle(wait=True)
         if self.buffer is None:
             return
@@ -471,10 +491,14 @@ class StreamedEngine:
         if self.device is None or self.device.type != "cuda":
             peak, basis = 0, "no GPU: nothing measured"
         else:
-            peak = torch.cuda.max_memory_allocated(self.device)
-            basis = "measured peak with everything offloaded"
-            if self.setup_peak is not None and peak <= self.setup_peak:
-                basis = "peak before the first step (setup, which offload cannot lower), so the plan is cautious"
+            # What the caching allocator held through the first step with everything offloaded: it keeps
+            # what it allocated (the forward-backward peak, the window) until empty_cache, and nobody
+            # resets it, unlike max_memory_allocated (benchmarks and profilers reset that). An upper
+            # bound of the step's peak, so the plan errs on the safe side: fragmentation and memory
+            # cached since setup (Megatron-Core creates the masters on the GPU) count too.
+            peak = max(self._held_after_backward, torch.cuda.memory_reserved(self.device),
+                       torch.cuda.max_memory_allocated(self.device))
+            basis = "GPU memory held through the first step with everything offloaded"
         room = self.budget_bytes - peak
         if room <= 0:
             self.budget_note = (f"gpu_budget_gib {self.budget_bytes / GiB:.2f} GiB cannot be met: the {basis} is "

@@ -28,7 +28,8 @@ _live = {"bytes": 0, "buffers": 0}
 
 
 def pinned_bytes() -> int:
-    """Bytes of PinnedHost buffers not yet released (unpinned CPU fallbacks included)."""
+    """Bytes of PinnedHost buffers pinned now: not released, not unpin()ned (the CPU-only buffers of a
+    process without CUDA count too, so lifetimes can be checked anywhere)."""
     with _lock:
         return _live["bytes"]
 
@@ -45,26 +46,32 @@ def _count(nbytes: int, buffers: int) -> None:
         _live["buffers"] += buffers
 
 
+def _unregister(tensor, device: int, nbytes: int) -> None:
+    import torch
+
+    def unregister():
+        # on the device it was registered for: a new thread starts on device 0 and would create a
+        # context there; in a throwaway thread so a failure does not stay behind as this thread's last
+        # CUDA error
+        torch.cuda.set_device(device)
+        return torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
+
+    err = _in_thread(unregister)
+    if _code(err) != 0:
+        logger.warning("%scudaHostUnregister of %s failed with %s; the pages stay locked until the "
+                       "process exits", rank_prefix(), fmt_bytes(nbytes), _err_name(err))
+
+
 def _release(held: Dict[str, object], device: Optional[int], nbytes: int, method: str) -> None:
-    """Unregister (when registered for `device`) and drop the buffer. The PinnedHost's weakref.finalize
-    calls it, so it runs once: from free(), or when the PinnedHost is collected."""
+    """Unregister (when registered for `device`, and not unpinned since) and drop the buffer. The
+    PinnedHost's weakref.finalize calls it, so it runs once: from free(), or when the PinnedHost is
+    collected."""
     tensor = held.pop("tensor")
     how = held.get("by", "the garbage collector (free() was not called)")
+    unpinned = held.get("unpinned", False)
     try:
-        if device is not None:
-            import torch
-
-            def unregister():
-                # on the device it was registered for: a new thread starts on device 0 and would
-                # create a context there; in a throwaway thread so a failure does not stay behind
-                # as this thread's last CUDA error
-                torch.cuda.set_device(device)
-                return torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
-
-            err = _in_thread(unregister)
-            if _code(err) != 0:
-                logger.warning("%scudaHostUnregister of %s failed with %s; the pages stay locked until the "
-                               "process exits", rank_prefix(), fmt_bytes(nbytes), _err_name(err))
+        if device is not None and not unpinned:
+            _unregister(tensor, device, nbytes)
         del tensor  # the last reference bridge_fgo held: the pages go now, unless a caller kept a view
         if method == "pin_memory=True":  # PyTorch caches freed pinned blocks; give this one back
             import torch
@@ -76,7 +83,7 @@ def _release(held: Dict[str, object], device: Optional[int], nbytes: int, method
         logger.warning("%sreleasing the %s host buffer failed: %s: %s", rank_prefix(), fmt_bytes(nbytes),
                        type(exc).__name__, exc)
     finally:
-        _count(-nbytes, -1)
+        _count(0 if unpinned else -nbytes, -1)
         logger.debug("%s%s host buffer (%s) released by %s", rank_prefix(), fmt_bytes(nbytes), method, how)
 
 
@@ -106,8 +113,46 @@ class PinnedHost:
 
     @property
     def registered(self) -> bool:
-        """True while cudaHostRegister pins it (until released)."""
-        return self.device is not None and self._finalizer.alive
+        """True while cudaHostRegister pins it (until unpinned or released)."""
+        return self.device is not None and self._finalizer.alive and not self._held.get("unpinned")
+
+    @property
+    def unpinned(self) -> bool:
+        return bool(self._held.get("unpinned"))
+
+    def unpin(self) -> bool:
+        """Unregister in place: the same memory, pageable again, still holding its data (the states of
+        a finished training). It leaves pinned_bytes(). False where that cannot be done in place
+        (PyTorch's pinned allocator, the fallback): the buffer stays pinned."""
+        if self.freed or self.unpinned or self.method == "pin_memory=True":
+            return self.unpinned
+        if self.device is not None:
+            _unregister(self._held["tensor"], self.device, self.nbytes)
+        self._held["unpinned"] = True
+        _count(-self.nbytes, 0)
+        return True
+
+    def repin(self) -> None:
+        """Register the same memory again (after unpin()), data untouched."""
+        if self.freed or not self.unpinned:
+            return
+        if self.device is not None:
+            import torch
+
+            tensor, device, nbytes = self._held["tensor"], self.device, self.nbytes
+
+            def register():
+                torch.cuda.set_device(device)
+                return torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0)
+
+            err = _in_thread(register)
+            if _code(err) != 0:
+                raise BridgeFGOConfigError(
+                    f"cannot pin the {fmt_bytes(nbytes)} optimizer-state host buffer again: cudaHostRegister "
+                    f"failed with {_err_name(err)}; {_memlock_limits()}. Fix: raise the locked-memory limit "
+                    f"(ulimit -l unlimited), or {FIXES}.")
+        self._held["unpinned"] = False
+        _count(self.nbytes, 0)
 
     @property
     def freed(self) -> bool:

@@ -139,6 +139,7 @@ class CallSites:
         if session is None:
             return wrapped(*args, **kwargs)
         optimizer = argument(self.index[name], "optimizer", args, kwargs)
+        session.prepare()  # a training after one that parked its states pins them again
         self._install_finalize(argument(self.index[name], "model", args, kwargs))
         ok = False
         try:
@@ -146,7 +147,7 @@ class CallSites:
             ok = True
             return result
         finally:
-            # the training is over: nothing it pinned outlives it; the next train() decides afresh
+            # the training is over: nothing it pinned outlives it
             try:
                 if session.end_training():
                     self.registry.remove(optimizer)
@@ -161,6 +162,7 @@ class CallSites:
         session = self._session(name, args, kwargs) if self.enabled else None
         if session is None:
             return wrapped(*args, **kwargs)
+        session.prepare()
         self._install_finalize(argument(self.index[name], "model", args, kwargs))
         token = self._current.set(session)
         try:

@@ -6,13 +6,12 @@ finalization on, the optimizer states are resident on the GPU and readable on th
 """
 from __future__ import annotations
 
-import logging
 import threading
 import weakref
 from typing import Dict, List, Optional, Tuple
 
 from .generations.base import Adapter
-from ..log import logger, once, rank_prefix
+from ..log import logger, rank_prefix
 
 RESIDENT, OFFLOADED, RELEASED, RELOADING = "resident", "offloaded", "released", "reloading"
 
@@ -85,17 +84,13 @@ class Session:
             self.prepared = True
 
     def end_training(self) -> bool:
-        """train() returned (or raised): close, so nothing pinned outlives the training, unless the
-        states no longer fit on the GPU (then they stay on the host, said once). True if closed."""
+        """train() returned (or raised): nothing pinned outlives the training. True if the session
+        closed, so the next train() with this optimizer decides afresh."""
         self.ensure_resident()
         self.adapter.synchronize()
-        kept = self.adapter.keeps_on_host()
-        if kept:
-            once(("kept-on-host",), logging.WARNING, "%s%s", rank_prefix(), kept)
-            return False
-        self.adapter.close()
-        self.closed = True
-        return True
+        self.closed = self.adapter.end_training()
+        self.prepared = False  # a next train() prepares again (the builtin engine pins its buffer again)
+        return self.closed
 
     def snapshot(self) -> Dict[str, object]:
         return {

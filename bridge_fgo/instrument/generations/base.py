@@ -45,9 +45,10 @@ class Adapter:
     def synchronize(self) -> None:
         """Every copy in flight has finished."""
 
-    def keeps_on_host(self) -> Optional[str]:
-        """At the end of training: why the states cannot go back to the GPU (None: they can)."""
-        return None
+    def end_training(self) -> bool:
+        """train() returned or raised: let nothing of bridge_fgo's (pinned memory) outlive it. True if
+        the adapter closed (the next train() decides afresh); False if it keeps what it needs."""
+        return False
 
     def describe(self) -> Dict[str, object]:
         return {}
