@@ -54,6 +54,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
     ap.add_argument("--device", default="cuda", help="cuda (the point); cpu runs the same logic anywhere")
+    ap.add_argument("--only", help="comma-separated optimizer names (e.g. te,te-precision-aware-bf16); default: all")
     args = ap.parse_args()
     import bench_imports
 
@@ -69,7 +70,10 @@ def main():
     engines = [("streamed", 1), ("streamed", 3 * 2**20), ("streamed", 2**30), ("budget", 3 * 2**20),
                ("one-window", 0)]
     results, ok = [], True
+    only = set(args.only.split(",")) if args.only else None
     for name, kw in cases(torch, args.device):
+        if only and name not in only:
+            continue
         for kind, chunk in engines:
             runs = []
             for offload in (False, True):

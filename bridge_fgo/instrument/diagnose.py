@@ -177,15 +177,15 @@ def diagnose(options: Optional[Options] = None) -> rpt.Report:
                           f"/ drop {flag_name('disable')}")
         return report
     if layout.native_wiring:
+        wired = generations.of_wiring(layout.native_wiring)
+        flag = wired.flag if wired is not None else "the offload flag"
         if opts.offload == "auto":
             report.offload_ready = True
-            report.verdict = ("offload will run through megatron-bridge's own wiring when "
-                              "cfg.optimizer.offload_optimizer_states is set; bridge_fgo steps aside so no "
-                              "offload call runs twice")
+            report.verdict = (f"offload will run through megatron-bridge's own wiring when {flag} is set; "
+                              "bridge_fgo steps aside so no offload call runs twice")
         else:
             report.verdict = (f"offload={opts.offload} has no effect: megatron-bridge {bridge_v} wires offload "
-                              "itself and bridge_fgo steps aside. Use offload=auto and set "
-                              "cfg.optimizer.offload_optimizer_states=True")
+                              f"itself and bridge_fgo steps aside. Use offload=auto and set {flag}=True")
         return report
     if problems:
         report.verdict = (f"offload will not run: nothing would be patched, because "

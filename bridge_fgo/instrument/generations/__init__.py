@@ -16,7 +16,7 @@ GENERATIONS = (chunked.GENERATION, three_method.GENERATION, none.GENERATION)
 # offload=builtin runs the builtin engine, whatever the generation.
 BUILTIN = none.GENERATION
 
-__all__ = ["Adapter", "Generation", "GENERATIONS", "BUILTIN", "of_classes", "native_wiring_names", "of_objects", "installed",
+__all__ = ["Adapter", "Generation", "GENERATIONS", "BUILTIN", "of_classes", "native_wiring_names", "of_wiring", "of_objects", "installed",
            "installed_if_loaded"]
 
 
@@ -29,6 +29,11 @@ def of_classes(classes: Iterable[Optional[type]]) -> Generation:
 
 def native_wiring_names() -> frozenset:
     return frozenset(n for g in GENERATIONS for n in g.native_wiring)
+
+
+def of_wiring(names) -> Optional[Generation]:
+    """The generation whose offload methods Bridge's own loop calls (native wiring), if any."""
+    return next((g for g in GENERATIONS if set(g.native_wiring) & set(names)), None)
 
 
 def of_objects(objects) -> Generation:
