@@ -601,3 +601,21 @@ def test_memory_budget_through_train_step_is_exact():
 def test_budget_needs_the_streamed_step():
     with pytest.raises(bridge_fgo.BridgeFGOOptionError, match="gpu_budget_gib.*chunk_mb"):
         bridge_fgo.patch(offload="builtin", chunk_mb=0, gpu_budget_gib=10)
+
+
+def test_a_budget_below_the_offloaded_peak_keeps_everything_offloaded_and_says_so(monkeypatch, caplog):
+    """On a GPU the step is judged by what the allocator held; here that measurement says 1 GiB."""
+    from bridge_fgo.engine import budget
+
+    assert budget.choose([], 2**30, 2 * 2**30) is None  # even everything offloaded exceeds the budget
+    assert budget.margin(12 * 2**30) == 12 * 2**30 // 100 and budget.margin(2**30) == 64 * 2**20
+    base, opt = make(), make()
+    monkeypatch.setattr(budget, "held", lambda device, after: (2**30, "GPU memory held (measured)"))
+    with caplog.at_level(logging.WARNING, logger="bridge_fgo"):
+        engine = engine_for(opt, 600, budget=2**29)
+        for _ in range(3):
+            step(base)
+            step(opt, engine)
+    assert engine.resident_bytes == 0 and engine.budget_note.startswith("gpu_budget_gib 0.50 GiB cannot be met")
+    assert sum("cannot be met" in m for m in caplog.messages) == 1  # said once
+    assert_same(snapshot(base), snapshot(opt))

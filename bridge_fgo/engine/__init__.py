@@ -4,6 +4,7 @@
     tensors.py     which tensors move, and where each one is bound
     layout.py      the streamed step's plan: bundles, chunks, the window, what stays resident
     copies.py      host <-> GPU copies ordered by events (deferred on CPU), the GPU window
+    budget.py      gpu_budget_gib: what may stay on the GPU, judged after the first step
     update.py      the update of a subset: the inner step, group-level state, the master copy
     streamed.py    StreamedEngine (chunk_mb > 0): states on the host between updates
     onewindow.py   OneWindowEngine (chunk_mb = 0): states back on the GPU for the whole update

@@ -37,7 +37,7 @@ from typing import Dict, List, Optional
 from .. import hostmem
 from ..errors import BridgeFGOError
 from ..log import logger, once, rank_prefix
-from . import contracts, copies as copies_mod, layout, update
+from . import budget, contracts, copies as copies_mod, layout, update
 from .tensors import MASTER, Bindings, Entry, Movable, inner_params, model_params_of_masters, same
 
 GiB = 2**30
@@ -49,11 +49,6 @@ READERS = ("state_dict", "load_state_dict", "sharded_state_dict", "save_paramete
            "load_parameter_state_from_dp_zero", "load_parameter_state_from_fs_bucket_space",
            "reload_model_params", "_copy_model_params_to_main_params", "offload_to_cpu", "restore_from_cpu",
            "get_parameters")
-
-
-def budget_margin(budget: int) -> int:
-    """Kept free under a memory budget: 1% of it, at least 64 MiB."""
-    return max(64 * 2**20, budget // 100)
 
 
 class _Part:
@@ -180,7 +175,7 @@ class StreamedEngine:
         if cuda:
             self.setup_peak = torch.cuda.max_memory_allocated(self.device)
             if nbytes:  # one DMA pass, so the first step does not pay for first use of the pages
-                scratch = torch.empty(min(nbytes, 256 * 2**20), dtype=torch.uint8, device=self.device)
+                scratch = torch.empty(min(nbytes, 32 * 2**20), dtype=torch.uint8, device=self.device)  # small: it adds to the setup peak
                 for start in range(0, nbytes, scratch.numel()):
                     piece = self.buffer.tensor[start:start + scratch.numel()]
                     self.copies.copy("h2d", scratch[:piece.numel()], piece)
@@ -346,19 +341,8 @@ class StreamedEngine:
                 continue
             for bundle in part.bundles:
                 for e in bundle.entries:
-                    t = b.get(e)
-                    if t is None or bundle.resident or e.dropped:
-                        continue
-                    if e.kind == MASTER:
-                        shell = part.shells.pop(id(e.param), None)
-                        if shell is not None:
-                            shell.untyped_storage().resize_(e.nbytes)
-                            shell.copy_(e.host)
-                            e.param.data = shell
-                        else:
-                            e.param.data = e.host.to(self.device, copy=True)
-                    else:
-                        b.set(e, e.host.to(self.device, copy=True))
+                    if b.get(e) is not None and not bundle.resident and not e.dropped:
+                        self._to_device(part, b, e)
         if self.device is not None and self.device.type == "cuda":
             import torch
 
@@ -495,52 +479,42 @@ class StreamedEngine:
 
     # -- memory budget ----------------------------------------------------------------------------
     def _apply_budget(self) -> None:
-        """After the first streamed step: keep resident as many bundles as fit under the budget,
-        judged by the run's measured peak with everything offloaded."""
-        import torch
-
-        if self.device is None or self.device.type != "cuda":
-            peak, basis = 0, "no GPU: nothing measured"
-        else:
-            # What the caching allocator held through the first step with everything offloaded: it keeps
-            # what it allocated (the forward-backward peak, the window) until empty_cache, and nobody
-            # resets it, unlike max_memory_allocated (benchmarks and profilers reset that). An upper
-            # bound of the step's peak, so the plan errs on the safe side: fragmentation and memory
-            # cached since setup (Megatron-Core creates the masters on the GPU) count too.
-            peak = max(self._held_after_backward, torch.cuda.memory_reserved(self.device),
-                       torch.cuda.max_memory_allocated(self.device))
-            basis = "GPU memory held through the first step with everything offloaded"
-        # the allocator rounds and fragments what the kept states take: measured 4 MiB over a 12.24 GiB
-        # budget without this margin (H100, 2026-11-23)
-        room = self.budget_bytes - peak - (budget_margin(self.budget_bytes) if peak else 0)
-        if room <= 0:
+        """After the first streamed step: keep resident as many bundles as fit under the budget."""
+        peak, basis = budget.held(self.device, self._held_after_backward)
+        kept = budget.choose([bd for part in self.parts for bd in part.bundles], self.budget_bytes, peak)
+        if kept is None:
             self.budget_note = (f"gpu_budget_gib {self.budget_bytes / GiB:.2f} GiB cannot be met: the {basis} is "
                                 f"{peak / GiB:.2f} GiB; everything stays offloaded")
             logger.warning("%s%s", rank_prefix(), self.budget_note)
             return
-        kept = layout.keep_resident([bd for part in self.parts for bd in part.bundles], room)
         self.synchronize()
         for bundle in kept:
             part = self.parts[bundle.part]
             b = part.bindings
             for e in bundle.entries:
-                if e.dropped or b.get(e) is None:
-                    continue
-                if e.kind == MASTER:
-                    shell = part.shells.pop(id(e.param))
-                    shell.untyped_storage().resize_(e.nbytes)
-                    shell.copy_(e.host)
-                    e.param.data = shell
-                else:
-                    b.set(e, e.host.to(self.device, copy=True))
+                if not e.dropped and b.get(e) is not None:
+                    self._to_device(part, b, e)
             bundle.resident = True
         self._cut()
         self.window = copies_mod.Window(self.copies, self.window_bytes, self.device)
-        kept_bytes = self.resident_bytes
         self.budget_note = (f"gpu_budget_gib {self.budget_bytes / GiB:.2f} GiB, {basis} {peak / GiB:.2f} GiB: "
-                            f"{len(kept)} parameter(s) keep their states on the GPU ({kept_bytes / GiB:.2f} GiB), "
-                            f"{self.bytes / GiB:.2f} GiB move each way per step in {len(self.chunks)} chunk(s)")
+                            f"{len(kept)} parameter(s) keep their states on the GPU "
+                            f"({self.resident_bytes / GiB:.2f} GiB), {self.bytes / GiB:.2f} GiB move each way per "
+                            f"step in {len(self.chunks)} chunk(s)")
         logger.info("%s%s", rank_prefix(), self.budget_note)
+
+    def _to_device(self, part: _Part, b: Bindings, e: Entry) -> None:
+        """An entry back on the GPU as an ordinary tensor (a master in its own GPU tensor again)."""
+        if e.kind == MASTER:
+            shell = part.shells.pop(id(e.param), None)
+            if shell is not None:
+                shell.untyped_storage().resize_(e.nbytes)
+                shell.copy_(e.host)
+                e.param.data = shell
+            else:
+                e.param.data = e.host.to(self.device, copy=True)
+        else:
+            b.set(e, e.host.to(self.device, copy=True))
 
     # -- figures ----------------------------------------------------------------------------------
     @property
