@@ -104,7 +104,7 @@ def test_builtin_order_through_real_train_step():
     assert rig.events == ORDER * 3  # the stand-in step asserts it never saw released storage
     (s,) = bridge_fgo.status().sessions
     assert s["mode"] == "builtin" and s["calls"] == {"offload": 3, "release": 3, "reload": 3}
-    assert s["tensors"] == 8 and s["state"] == "resident"
+    assert s["tensors"] == 8 and s["state"] == "resident" and s["states_on"] == "GPU"
     masters, moments = (64 + 32) * 4, (64 + 32 + 16) * 4 * 2
     assert s["bytes_offloaded"] == masters + 2 * (masters + moments)  # step 1: masters only (no Adam state yet)
 

@@ -56,7 +56,10 @@ def test_two_trainings_in_one_process_nothing_pinned_between_and_exact():
     # (now unpinned) host memory, the optimizer held only weakly
     assert hostmem.pinned_bytes() == PINNED0 and parked_on_host and engine.buffer.unpinned
     assert engine.copies.pending() == 0  # every copy done: readers between trainings see whole data
-    train(r, 3)  # pinned again, in place
+    assert bridge_fgo.status().sessions[0]["states_on"] == "host (parked, unpinned)"
+    harness.run_steps(r, steps=1)  # a step outside train() pins the same buffer again, in place
+    assert bridge_fgo.status().sessions[0]["states_on"] == "host" and not engine.buffer.unpinned
+    train(r, 2)
     assert hostmem.pinned_bytes() == PINNED0
     assert_same(rig_snapshot(base), rig_snapshot(r))
     bridge_fgo.unpatch()  # the states back on the device as ordinary tensors, the buffer freed

@@ -101,6 +101,7 @@ class BuiltinAdapter:
     def describe(self) -> Dict[str, object]:
         e = self.engine
         out: Dict[str, object] = {
+            "states_on": e.states_on(),
             "optimizers": self.n_optimizers,
             "inner_optimizers": e.optimizers(),
             "tensors": e.tensors,

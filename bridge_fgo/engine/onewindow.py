@@ -151,6 +151,10 @@ class OneWindowEngine:
     def synchronize(self) -> None:
         self.settle(wait=True)
 
+    def states_on(self) -> str:
+        """Where the optimizer states are now, for status: on the host only from release to reload."""
+        return "host" if self.released else "GPU"
+
     def close(self) -> None:
         if self.released:
             self.reload()

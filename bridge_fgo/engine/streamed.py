@@ -321,6 +321,13 @@ class StreamedEngine:
         self.tail = None
         self._drop_guards()
 
+    def states_on(self) -> str:
+        """Where the optimizer states are between steps, for status."""
+        if self.buffer is None or self.buffer.freed:
+            return "GPU"
+        where = "host (parked, unpinned)" if self.buffer.unpinned else "host"
+        return where + (f"; {self.resident_bytes} bytes on the GPU (gpu_budget_gib)" if self.resident_bytes else "")
+
     def park(self) -> None:
         """train() is over: every copy finished, the states stay where they are between steps (host
         memory) and the buffer is unpinned in place, so nothing stays locked and no GPU memory is taken

@@ -2,7 +2,9 @@
 
 The call sites only ever talk to a Session. It keeps the invariant that makes offload safe whatever
 happens (skipped step, exception, checkpoint save, unpatch): outside train_step, and from gradient
-finalization on, the optimizer states are resident on the GPU and readable on the current stream.
+finalization on, the optimizer states are whole where readers find them. `state` is that call-site
+phase ("resident": whole, readable): on the GPU for Megatron-Core's offloaders and the one window,
+bound to the host buffer for the streamed step (the builtin engine's `states_on` says which).
 """
 from __future__ import annotations
 
