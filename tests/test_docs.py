@@ -1,6 +1,6 @@
 """The README and docs/ kept in step with the code, the release list and the results files.
 
-Fast and torch-free: reads bridge_fgo/options.py of this checkout (without running the package's
+Fast and torch-free: reads bridge_fgo/options.py of this checkout through scripts/docs_options_table.py (without running the package's
 __init__), requirements/releases.conf, README.md and docs/*.md. Each failure says what to update.
 """
 import ast
@@ -8,7 +8,6 @@ import importlib.util
 import pathlib
 import re
 import sys
-import types
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -26,29 +25,24 @@ def _rel(path: pathlib.Path) -> str:
     return str(path.relative_to(ROOT))
 
 
+def _generator():
+    """scripts/docs_options_table.py, the one reader of options.py and of patch()'s keywords that
+    both the table's generator and this test use (loaded by path: scripts/ is not a package)."""
+    name = "_bridge_fgo_docs_options_table"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / "docs_options_table.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
 def _load_options():
-    """bridge_fgo/options.py of this checkout, under a private package name: its relative imports
-    resolve inside bridge_fgo/, and bridge_fgo/__init__ (which imports wrapt) does not run."""
-    name = "_bridge_fgo_test_docs"
-    if name + ".options" in sys.modules:
-        return sys.modules[name + ".options"]
-    pkg = types.ModuleType(name)
-    pkg.__path__ = [str(ROOT / "bridge_fgo")]
-    sys.modules[name] = pkg
-    spec = importlib.util.spec_from_file_location(name + ".options", ROOT / "bridge_fgo" / "options.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return _generator().load_options(ROOT)
 
 
 def _patch_keywords():
-    """The keyword-only parameters of `def patch(...)`, wherever the package defines it."""
-    for path in sorted((ROOT / "bridge_fgo").rglob("*.py")):
-        for node in ast.parse(path.read_text(encoding="utf-8")).body:
-            if isinstance(node, ast.FunctionDef) and node.name == "patch":
-                return {a.arg for a in node.args.kwonlyargs}
-    return set()
+    return set(_generator().patch_keywords(ROOT))
 
 
 def _cells(line: str):
