@@ -77,10 +77,7 @@ def _gib(opt: "Option", value, source: str):
 
 def _gib_text(opt: "Option", raw: str, source: str):
     text = raw.strip()
-    try:
-        value = float(text) if re.fullmatch(r"[0-9]*\.?[0-9]+(e[+-]?[0-9]+)?", text, re.I) else raw
-    except ValueError:
-        value = raw
+    value = float(text) if re.fullmatch(r"[0-9]*\.?[0-9]+(e[+-]?[0-9]+)?", text, re.I) else raw
     return _gib(opt, value, source)
 
 

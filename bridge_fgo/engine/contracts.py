@@ -22,7 +22,7 @@ param_groups_master paired by position since #1625).
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 TORCH_ADAMW = "torch.optim.adamw.AdamW"
 TORCH_ADAM = "torch.optim.adam.Adam"
@@ -30,9 +30,12 @@ TE_FUSED_ADAM = "transformer_engine.pytorch.optimizers.fused_adam.FusedAdam"
 APEX_FUSED_ADAM = "apex.optimizers.fused_adam.FusedAdam"
 
 
-def class_path(obj) -> str:
-    cls = type(obj)
+def path_of(cls) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def class_path(obj) -> str:
+    return path_of(type(obj))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,10 +140,14 @@ def of(inner) -> Optional[Contract]:
     return CONTRACTS.get(class_path(inner))
 
 
-def describe(inner) -> str:
+def describe_class(cls) -> str:
     """'Transformer Engine FusedAdam (transformer_engine....FusedAdam)', for per-rank lines and status."""
-    c = of(inner)
-    return f"{c.name} ({class_path(inner)})" if c else class_path(inner)
+    c = CONTRACTS.get(path_of(cls))
+    return f"{c.name} ({path_of(cls)})" if c else path_of(cls)
+
+
+def describe(inner) -> str:
+    return describe_class(type(inner))
 
 
 def streamed_problems(inners) -> List[str]:
@@ -155,7 +162,3 @@ def streamed_problems(inners) -> List[str]:
         else:
             out += [p for p in c.streamed_problems(inner) if p not in out]
     return out
-
-
-def known_names() -> Tuple[str, ...]:
-    return tuple(c.name for c in CONTRACTS.values())

@@ -12,7 +12,7 @@ import dataclasses
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .contracts import Contract
-from .tensors import ALIGN, MASTER, SCALE, STATE, Entry, Movable, aligned, nbytes_of
+from .tensors import ALIGN, MASTER, SCALE, STATE, Entry, Movable, aligned, nbytes_like, nbytes_of
 
 
 @dataclasses.dataclass(eq=False)
@@ -66,9 +66,7 @@ def bundle_of(part: int, group_index: int, p, group, inner, contract: Contract, 
                 continue
             entries.append(Entry(STATE, p, key, tuple(t.shape), t.dtype, nbytes_of(t)))
         elif key in specs:
-            e = Entry(STATE, p, key, tuple(p.shape), specs[key].dtype, 0)
-            e.nbytes = p.numel() * _itemsize(e.dtype)
-            entries.append(e)
+            entries.append(Entry(STATE, p, key, tuple(p.shape), specs[key].dtype, nbytes_like(p, specs[key].dtype)))
     for key in keys:
         spec = specs.get(key)
         if spec is None or not spec.scaled:
@@ -80,12 +78,6 @@ def bundle_of(part: int, group_index: int, p, group, inner, contract: Contract, 
 
         entries.append(Entry(SCALE, p, key, (1,), torch.float32, 4))
     return Bundle(part, group_index, p, entries)
-
-
-def _itemsize(dtype) -> int:
-    import torch
-
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def place(bundles: Sequence[Bundle], start: int = 0) -> int:

@@ -17,7 +17,7 @@ from typing import List, Optional, Tuple
 from .. import hostmem
 from ..log import logger, rank_prefix
 from . import contracts, copies as copies_mod
-from .tensors import Movable, aligned, flat, inner_params, inner_tensors, nbytes_of, padded
+from .tensors import Movable, aligned, flat, inner_params, inner_tensors, nbytes_like, nbytes_of, padded
 
 
 class OneWindowEngine:
@@ -67,7 +67,7 @@ class OneWindowEngine:
             for gi, p in inner_params(inner):
                 if not inner.state.get(p):
                     for spec in contract.states(inner, p, inner.param_groups[gi]):
-                        total += padded(p.numel() * _itemsize(spec.dtype))
+                        total += padded(nbytes_like(p, spec.dtype))
         return total
 
     def _replan(self) -> int:
@@ -185,9 +185,3 @@ class OneWindowEngine:
 
     def optimizers(self) -> List[str]:
         return [contracts.describe(o.optimizer) for o in self._alive()]
-
-
-def _itemsize(dtype) -> int:
-    import torch
-
-    return torch.empty((), dtype=dtype).element_size()

@@ -192,13 +192,16 @@ class StreamedEngine:
                         if not e.dropped:
                             yield part, b, e
 
-    def on_host(self) -> bool:
-        """Every streamed entry that exists is bound to its host view."""
-        for _, b, e in self._streamed_entries():
+    def _away(self):
+        """(part, bindings, entry, tensor) of every streamed entry bound elsewhere than its host view."""
+        for part, b, e in self._streamed_entries():
             t = b.get(e)
             if t is not None and not same(t, e.host):
-                return False
-        return True
+                yield part, b, e, t
+
+    def on_host(self) -> bool:
+        """Every streamed entry that exists is bound to its host view."""
+        return next(self._away(), None) is None
 
     # -- the call sites ---------------------------------------------------------------------------
     def offload(self) -> int:
@@ -209,11 +212,7 @@ class StreamedEngine:
             self.settle()  # a rerun after finalization: the prefetched chunks go back unused
         if self.buffer is None:
             return 0
-        pending = []
-        for part, b, e in self._streamed_entries():
-            t = b.get(e)
-            if t is not None and not same(t, e.host):
-                pending.append((part, b, e, t))
+        pending = list(self._away())
         if pending:
             after = [self.copies.compute_event(), self.tail]
             last = None
@@ -287,14 +286,10 @@ class StreamedEngine:
         was_armed, self.armed = self.armed, False
         if self.buffer is None:
             return
-        loose = []
-        for part, b, e in self._streamed_entries():
-            t = b.get(e)
-            if t is not None and not same(t, e.host):
-                loose.append((b, e, t))
+        loose = list(self._away())
         if loose:  # a skipped step (masters on their shells) or an exception inside a chunk's update
             self.copies.host_wait_all()
-            for b, e, t in loose:
+            for _, b, e, t in loose:
                 if t.untyped_storage().nbytes():
                     if tuple(t.shape) != e.shape or t.dtype != e.dtype:
                         e.dropped = True  # made otherwise than planned: stays where the optimizer put it

@@ -37,6 +37,13 @@ def nbytes_of(t) -> int:
     return t.numel() * t.element_size()
 
 
+def nbytes_like(p, dtype) -> int:
+    """The bytes of a state shaped like `p` in `dtype` (one the optimizer has not created yet)."""
+    import torch
+
+    return p.numel() * torch.empty((), dtype=dtype).element_size()
+
+
 def storage_key(t) -> int:
     return t.untyped_storage().data_ptr()
 

@@ -22,12 +22,12 @@ from .ranks import LocalRanks, local_ranks
 RESERVE_MIN_BYTES = 2 * GiB
 RESERVE_FRACTION = 0.05
 
-# What to change when the check refuses. bridge_fgo offloads all of the optimizer's states or none: it
-# has no partial-offload option, and an engine's chunk size (chunk_mb, where one exists) only sizes
-# the transfers; the host buffer holds every offloaded byte either way.
+# What to change when the check refuses. The host buffer is sized before the first step for every state
+# that may move: neither gpu_budget_gib (decided after the first step) nor the chunk size (chunk_mb,
+# which only sizes the transfers) makes it smaller.
 FIXES = ("reduce the bytes each rank pins: more data-parallel ranks (the distributed optimizer shards its "
-         "states over them) or more tensor/pipeline parallelism (fewer parameters per rank); bridge_fgo has "
-         "no partial-offload option, and the transfer chunk size (chunk_mb) does not reduce host bytes; or "
+         "states over them) or more tensor/pipeline parallelism (fewer parameters per rank); the "
+         "transfer chunk size (chunk_mb) does not reduce host bytes, nor does gpu_budget_gib; or "
          "run fewer ranks on this node; or give it more host memory (a larger container/cgroup memory "
          "limit, e.g. memory.max, docker --memory, Slurm --mem, Kubernetes resources.limits.memory)")
 

@@ -46,6 +46,17 @@ def _count(nbytes: int, buffers: int) -> None:
         _live["buffers"] += buffers
 
 
+def _register(tensor, device: int, nbytes: int):
+    """cudaHostRegister of the tensor's pages for `device`; the CUDA error (0: success)."""
+    import torch
+
+    def register():
+        torch.cuda.set_device(device)  # a new thread starts on device 0
+        return torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0)
+
+    return _in_thread(register)
+
+
 def _unregister(tensor, device: int, nbytes: int) -> None:
     import torch
 
@@ -137,18 +148,10 @@ class PinnedHost:
         if self.freed or not self.unpinned:
             return
         if self.device is not None:
-            import torch
-
-            tensor, device, nbytes = self._held["tensor"], self.device, self.nbytes
-
-            def register():
-                torch.cuda.set_device(device)
-                return torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0)
-
-            err = _in_thread(register)
+            err = _register(self._held["tensor"], self.device, self.nbytes)
             if _code(err) != 0:
                 raise BridgeFGOConfigError(
-                    f"cannot pin the {fmt_bytes(nbytes)} optimizer-state host buffer again: cudaHostRegister "
+                    f"cannot pin the {fmt_bytes(self.nbytes)} optimizer-state host buffer again: cudaHostRegister "
                     f"failed with {_err_name(err)}; {_memlock_limits()}. Fix: raise the locked-memory limit "
                     f"(ulimit -l unlimited), or {FIXES}.")
         self._held["unpinned"] = False
@@ -253,12 +256,7 @@ def pin(nbytes: int, *, device_index: Optional[int] = None, numa: bool = True,
                   else _numa.NumaTarget(None, (), "NUMA placement not requested: plain first touch"))
     tensor = torch.empty(nbytes, dtype=torch.uint8)
     node, placement = _numa.first_touch(tensor, target)  # registering then pins pages already present
-
-    def register():
-        torch.cuda.set_device(device)  # a new thread starts on device 0
-        return torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0)
-
-    err = _in_thread(register)
+    err = _register(tensor, device, nbytes)
     if _code(err) == 0:
         buf = PinnedHost(tensor, nbytes, "cudaHostRegister", device=device, numa_node=node,
                          placement=placement, seconds=time.perf_counter() - t0)

@@ -102,5 +102,6 @@ def resolve(cfg, optimizer, options: Options) -> Optional[Session]:
         _not_acting(options.strict, ("no-fgo",),
                     generation.unavailable(versions.megatron_core_version() or "unknown"))
         return None
-    refusals.check(cfg, inner, dist_opts, who=chosen.who, extra=chosen.refusals(cfg, options, [getattr(o, 'optimizer', o) for o in dist_opts]))
+    adams = [getattr(o, "optimizer", o) for o in dist_opts]  # the optimizers each one wraps
+    refusals.check(cfg, inner, dist_opts, who=chosen.who, extra=chosen.refusals(cfg, options, adams))
     return Session(optimizer, chosen.build(optimizer, cfg, dist_opts, options), mode=chosen.mode)

@@ -104,9 +104,8 @@ def inner_optimizer_line() -> Optional[str]:
         text = "torch AdamW (torch.optim.AdamW; torch.optim.Adam without decoupled weight decay)"
         known = True
     else:
-        path = f"{cls.__module__}.{cls.__qualname__}"
-        known = path in contracts.CONTRACTS
-        text = f"{contracts.CONTRACTS[path].name} ({path})" if known else path
+        known = contracts.path_of(cls) in contracts.CONTRACTS
+        text = contracts.describe_class(cls)
     return text + ("; the streamed step serves it" if known else
                    "; the streamed step does not know it (refused; chunk_mb=0 serves it)")
 
