@@ -2,6 +2,7 @@
 three real processes joined by gloo on 127.0.0.1: a refusal on rank 1 makes every rank raise the same
 message, promptly; no refusal, nobody raises; and the engine's sequence (check_fits on every rank
 against that rank's faked /proc/meminfo, then agree) stops all three ranks with rank 1's figures."""
+import contextlib
 import json
 import os
 import socket
@@ -14,13 +15,15 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessException
 
 from bridge_fgo import BridgeFGOConfigError, hostmem
 from bridge_fgo.agree import agree, refusal
 
 GiB = 2**30
 WHAT = "optimizer-state offload"
-DEADLINE_S = 60  # the whole multi-process run: spawning, importing torch, rendezvous, agreeing
+DEADLINE_S = 120  # the whole multi-process run: spawning, importing torch (and Megatron), rendezvous, agreeing;
+# promptness is asserted apart, from each rank's own clock
 
 
 # -- one process ----------------------------------------------------------------------------------------
@@ -67,13 +70,29 @@ def test_agreeing_without_a_group_does_not_import_torch():
 
 # -- three processes, gloo on loopback ------------------------------------------------------------------
 
+@contextlib.contextmanager
+def gloo_group(rank, world, port):
+    """This rank in a gloo group of `world` on loopback, for the body. Leaving is ordered: the ranks
+    meet in a barrier when the body returned, each destroys its group, and rank 0, which serves the
+    TCPStore, leaves only after every rank has destroyed its group, so no rank's teardown talks to a
+    store or a peer that is gone (an error in gloo's or the store's C++ teardown aborts the process)."""
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # loopback only
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=timedelta(seconds=DEADLINE_S))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=DEADLINE_S))
+    try:
+        yield
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+        store.set(f"left/{rank}", "1")
+        if rank == 0:
+            store.wait([f"left/{r}" for r in range(world)])
+
+
 def _rank_main(rank, world, port, out_dir, problems, roots):
     """One rank: join the group, decide (a given problem, or check_fits against this rank's faked
     root), agree, and write what happened to out_dir/rank<N>.json."""
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # loopback only
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=DEADLINE_S))
-    try:
+    with gloo_group(rank, world, port):
         problem = problems[rank] if problems else None
         if roots:
             try:
@@ -89,8 +108,6 @@ def _rank_main(rank, world, port, out_dir, problems, roots):
         result["agree_s"] = time.monotonic() - t0
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(result, f)
-    finally:
-        dist.destroy_process_group()
 
 
 def _free_port():
@@ -105,16 +122,39 @@ def run_ranks(out_dir, problems=None, roots=None, world=3):
 
 def run_ranks_with(main, out_dir, *args, world=3):
     """main(rank, world, port, out_dir, *args) in `world` spawned processes; every rank's result (its
-    out_dir/rank<N>.json); fails the test if the ranks are not all done within DEADLINE_S."""
+    out_dir/rank<N>.json); fails the test if the ranks are not all done within DEADLINE_S, or if any
+    rank exits non-zero, with the tail of every rank's output (out_dir/rank<N>.log)."""
     t0 = time.monotonic()
-    ctx = mp.start_processes(main, args=(world, _free_port(), str(out_dir), *args),
+    ctx = mp.start_processes(_logged, args=(main, world, _free_port(), str(out_dir), *args),
                              nprocs=world, join=False, start_method="spawn")
-    while not ctx.join(timeout=1):
-        if time.monotonic() - t0 > DEADLINE_S:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"the {world} ranks did not finish within {DEADLINE_S} s: agree hung")
+    try:
+        while not ctx.join(timeout=1):
+            if time.monotonic() - t0 > DEADLINE_S:
+                for p in ctx.processes:
+                    p.kill()
+                pytest.fail(f"the {world} ranks did not finish within {DEADLINE_S} s: agree hung\n"
+                            + _tails(out_dir, world))
+    except ProcessException as exc:
+        pytest.fail(f"{exc}\n" + _tails(out_dir, world))
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def _logged(rank, main, world, port, out_dir, *args):
+    """A rank's output goes to out_dir/rank<N>.log at the file-descriptor level, so what C++ writes
+    before an abort (gloo, torch) is kept and shown when the rank fails."""
+    with open(os.path.join(out_dir, f"rank{rank}.log"), "ab", buffering=0) as log:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+    main(rank, world, port, out_dir, *args)
+
+
+def _tails(out_dir, world, lines=40):
+    out = []
+    for r in range(world):
+        path = out_dir / f"rank{r}.log"
+        text = path.read_text(errors="replace").splitlines()[-lines:] if path.exists() else ["(no output)"]
+        out.append(f"--- rank {r}: last {lines} lines of {path.name} ---\n" + "\n".join(text))
+    return "\n".join(out)
 
 
 def test_a_refusal_on_rank_1_stops_every_rank_with_one_message(tmp_path):

@@ -5,17 +5,13 @@ any of them pinned anything or entered the step, so no rank is left waiting in a
 import json
 import os
 import time
-from datetime import timedelta
 
-import torch.distributed as dist
-
-from test_agree import DEADLINE_S, run_ranks_with
+from test_agree import gloo_group, run_ranks_with
 
 GiB = 2**30
 
 
 def _rank_main(rank, world, port, out_dir):
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # loopback only
     from support import te_free
 
     te_free.install()
@@ -25,9 +21,7 @@ def _rank_main(rank, world, port, out_dir):
     from support import harness
     from test_streamed import rig
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=DEADLINE_S))
-    try:
+    with gloo_group(rank, world, port):
         if rank == 1:  # this node has 1 MiB available
             real = available.host_memory
             available.host_memory = lambda root=None: available.HostMemory(
@@ -44,8 +38,6 @@ def _rank_main(rank, world, port, out_dir):
                       patched=bridge_fgo.is_patched())
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(result, f)
-    finally:
-        dist.destroy_process_group()
 
 
 def test_one_rank_short_of_host_memory_stops_every_rank_before_anything_is_pinned(tmp_path):
