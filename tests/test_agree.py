@@ -22,8 +22,9 @@ from bridge_fgo.agree import agree, refusal
 
 GiB = 2**30
 WHAT = "optimizer-state offload"
-DEADLINE_S = 120  # the whole multi-process run: spawning, importing torch (and Megatron), rendezvous, agreeing;
-# promptness is asserted apart, from each rank's own clock
+# The whole multi-process run: spawning, importing torch (and Megatron), rendezvous, agreeing.
+# Promptness is asserted apart, from each rank's own clock.
+DEADLINE_S = 120
 
 
 # -- one process ----------------------------------------------------------------------------------------

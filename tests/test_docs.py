@@ -1,7 +1,8 @@
 """The README and docs/ kept in step with the code, the release list and the results files.
 
-Fast and torch-free: reads bridge_fgo/options.py of this checkout through scripts/docs_options_table.py (without running the package's
-__init__), requirements/releases.conf, README.md and docs/*.md. Each failure says what to update.
+Fast and torch-free: reads bridge_fgo/options.py of this checkout through scripts/docs_options_table.py
+(without running the package's __init__), requirements/releases.conf, README.md and docs/*.md. Each
+failure says what to update.
 """
 import ast
 import importlib.util
