@@ -31,6 +31,7 @@ pinned host<->device bandwidth with bridge_fgo's own pinned buffer, and checks t
 """
 import argparse
 import hashlib
+import resource
 import importlib
 import json
 import logging
@@ -299,6 +300,8 @@ def run(args):
         "run_peak_gib": max([held["setup_peak_gib"]] + [r["iter_peak_gib"] for r in recs]
                             + [r["tail_peak_gib"] for r in recs if "tail_peak_gib" in r]),
         "resume_peak_gib": held["setup_peak_gib"] if args.load else None,
+        # host memory: the process's resident peak (ru_maxrss, KiB on Linux), pinned buffer included
+        "host_peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB,
         "losses": [r["loss"] for r in recs],
         "skipped_iters": [r["iter"] for r in recs if r["skipped"]],
         "final_params_sha256": h.hexdigest(),

@@ -1,5 +1,7 @@
 """The generation registry and the target table drive the decisions, the patching and the status:
 a generation or a target added to them is picked up everywhere without touching other modules."""
+import sys
+
 import pytest
 
 import bridge_fgo
@@ -110,7 +112,11 @@ def test_the_target_table():
         ("train", "megatron.bridge.training.train", "loop"),
         ("train_step", "megatron.bridge.training.train", "step"),
         ("_handle_mxfp8_param_buffer_copy", "megatron.bridge.training.train", "release-site"),
+        ("load_checkpoint", "megatron.bridge.training.checkpointing", "load"),
+        ("_build_model_and_main_param_groups", "megatron.core.optimizer.distrib_optimizer", "build"),
     ]
+    assert targets.target("_build_model_and_main_param_groups").qualname == (
+        "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer._build_model_and_main_param_groups")
     assert [a.qualname for a in targets.ALIASES] == ["megatron.bridge.training.pretrain.train"]
     assert len({t.name for t in targets.TARGETS}) == len(targets.TARGETS)
     assert all(t.purpose for t in targets.TARGETS)
@@ -118,7 +124,7 @@ def test_the_target_table():
 
 def test_problems_carry_their_target(monkeypatch, train_module):
     monkeypatch.delattr(train_module, "_handle_mxfp8_param_buffer_copy")
-    layout = targets.inspect_layout({"megatron.bridge.training.train": train_module})
+    layout = targets.inspect_layout({**{m: sys.modules[m] for m in targets.MODULES}, train_module.__name__: train_module})
     assert [(p.target, str(p)) for p in layout.problems] == [
         ("_handle_mxfp8_param_buffer_copy", "megatron.bridge.training.train._handle_mxfp8_param_buffer_copy is missing")]
 

@@ -3,6 +3,7 @@
     contracts.py   the inner optimizers (torch AdamW/Adam, TE and apex FusedAdam) and what each does
     tensors.py     which tensors move, and where each one is bound
     layout.py      the streamed step's plan: bundles, chunks, the window, what stays resident
+    construction.py  Megatron-Core's fp32 masters made a batch at a time and moved to the host
     copies.py      host <-> GPU copies ordered by events (deferred on CPU), the GPU window
     budget.py      gpu_budget_gib: what may stay on the GPU, judged after the first step
     update.py      the update of a subset: the inner step, group-level state, the master copy
@@ -73,6 +74,10 @@ class BuiltinAdapter:
 
     def synchronize(self) -> None:
         self.engine.synchronize()
+
+    def after_load(self) -> None:
+        if self.chunk_mb:
+            self.engine.after_load()
 
     def close(self) -> None:
         self.engine.close()

@@ -57,6 +57,11 @@ class Contract:
     def streamed_problems(self, inner) -> List[str]:
         return []
 
+    def create(self, inner, p, group, device) -> None:
+        """Create p's states exactly as the optimizer's first step() would (its own code where it has a
+        method for it), on p's device; `device` is where its step runs (for states kept there)."""
+        raise NotImplementedError
+
     def scale_of(self, inner, p, key):
         """The scale tensor of state `key` of `p`, or None."""
         return None
@@ -75,6 +80,19 @@ class TorchAdam(Contract):
     def states(self, inner, p, group):
         keys = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group.get("amsgrad") else [])
         return [StateSpec(k, p.dtype) for k in keys]
+
+    def create(self, inner, p, group, device):
+        import torch
+        from torch.optim.optimizer import _get_scalar_dtype
+
+        # torch/optim/adam.py and adamw.py, _init_group, `if len(state) == 0`
+        state = inner.state[p]
+        if group.get("capturable") or group.get("fused"):
+            state["step"] = torch.zeros((), dtype=_get_scalar_dtype(is_fused=group.get("fused")), device=device)
+        else:
+            state["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype())
+        for spec in self.states(inner, p, group):
+            state[spec.key] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
 class TEFusedAdam(Contract):
@@ -104,6 +122,13 @@ class TEFusedAdam(Contract):
                 "torch.uint8): a wrapper tensor whose device is fixed at creation, so it cannot be rebound to "
                 "host memory between steps; use bf16 or fp32 moments, or chunk_mb=0"]
 
+    def create(self, inner, p, group, device):
+        import torch
+
+        # TE 2.x step(): `if len(state) == 0: self.initialize_state(p, store_param_remainders)`
+        remainders = bool(inner.store_param_remainders and p.dtype == torch.bfloat16)
+        inner.initialize_state(p, remainders)
+
     def scale_of(self, inner, p, key):
         return (inner._scales.get(p) or {}).get(key)
 
@@ -119,6 +144,14 @@ class ApexFusedAdam(Contract):
         import torch
 
         return [StateSpec(k, torch.float32) for k in ("exp_avg", "exp_avg_sq")]
+
+    def create(self, inner, p, group, device):
+        import torch
+
+        # apex/optimizers/fused_adam.py step(): `if len(state) == 0`
+        state = inner.state[p]
+        state["exp_avg"] = torch.zeros_like(p.data).float()
+        state["exp_avg_sq"] = torch.zeros_like(p.data).float()
 
     def streamed_problems(self, inner):
         if getattr(inner, "master_weights", False):

@@ -37,8 +37,9 @@ from typing import Dict, List, Optional
 from .. import hostmem
 from ..errors import BridgeFGOError
 from ..log import logger, once, rank_prefix
-from . import budget, contracts, copies as copies_mod, layout, update
-from .tensors import MASTER, Bindings, Entry, Movable, inner_params, model_params_of_masters, same
+from . import budget, construction, contracts, copies as copies_mod, layout, update
+from .tensors import (MASTER, Bindings, Entry, Movable, flat, inner_params, model_params_of_masters, owns_storage,
+                      same)
 
 GiB = 2**30
 # Megatron-Core's DistributedOptimizer methods that read or write optimizer state or master weights
@@ -49,6 +50,17 @@ READERS = ("state_dict", "load_state_dict", "sharded_state_dict", "save_paramete
            "load_parameter_state_from_dp_zero", "load_parameter_state_from_fs_bucket_space",
            "reload_model_params", "_copy_model_params_to_main_params", "offload_to_cpu", "restore_from_cpu",
            "get_parameters")
+
+
+def _compute_device(parts):
+    """Where the update runs: the model parameters' device (masters may live on the host already)."""
+    for part in parts:
+        opt = part.opt
+        for name in ("model_float16_groups", "model_fp32_groups"):
+            for t in flat(getattr(opt, name, None)):
+                return t.device
+    params = [p for part in parts for _, p in inner_params(part.inner)]
+    return params[0].device if params else None
 
 
 class _Part:
@@ -110,6 +122,7 @@ class StreamedEngine:
         self.tail = None  # the last device-to-host copy of the last update
         self.guards = update.Shadows()  # READERS wrapped while the tail is in flight
         self._hooks = update.Shadows()  # step hooks while armed
+        self._loaders = update.Shadows()  # the inner optimizers' load_state_dict, from prepare() to close()
         self._adopted: List[object] = []  # GPU tensors copied to the host, freed at release()
         self._started: set = set()  # chunk indices whose host-to-device copy was started this update
         self._copied_masters: set = set()  # part indices whose masters were copied chunk by chunk
@@ -139,8 +152,7 @@ class StreamedEngine:
             part.shared = movable.shared
             offset = layout.place(part.bundles, offset)
         self._cut()
-        params = [p for part in self.parts for _, p in inner_params(part.inner)]
-        self.device = params[0].device if params else None
+        self.device = _compute_device(self.parts)
         self._planned = True
         return offset
 
@@ -172,6 +184,12 @@ class StreamedEngine:
                 e.host = self.buffer.tensor[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape)
         self.copies = copies_mod.copies_for(self.device)
         self.window = copies_mod.Window(self.copies, self.window_bytes, self.device)
+        self._take_all()  # masters made on the host at construction, states a load put elsewhere
+        self._materialize()
+        for part in self.parts:
+            inner = part.inner
+            prior = inner.__dict__.get("load_state_dict")  # e.g. Bridge's memory-efficient loader
+            self._loaders.set(inner, "load_state_dict", functools.partial(self._inner_load, weakref.ref(inner), prior))
         if cuda:
             self.setup_peak = torch.cuda.max_memory_allocated(self.device)
             if nbytes:  # one DMA pass, so the first step does not pay for first use of the pages
@@ -202,6 +220,74 @@ class StreamedEngine:
     def on_host(self) -> bool:
         """Every streamed entry that exists is bound to its host view."""
         return next(self._away(), None) is None
+
+    # -- states into their host views, before the first step --------------------------------------
+    def _take(self, part: _Part, b: Bindings, e: Entry, t) -> None:
+        """Copy `t` (what `e` is bound to) into e's host view now and bind the view; free t's memory.
+        A master keeps a storage-less tensor on the compute device as its shell (reload binds it)."""
+        e.host.copy_(t.detach())
+        old = t.data  # a master is rebound in place (`master.data = view`): keep what it was bound to
+        on_device = old.device == self.device
+        if e.kind == MASTER:
+            part.shells[id(e.param)] = old if on_device else self._new_shell(e)
+            construction.unstage(e.param)
+        b.set(e, e.host)
+        if on_device and (e.kind == MASTER or owns_storage(old)):
+            old.untyped_storage().resize_(0)  # shared by anyone still holding the old tensor: freed for all
+
+    def _new_shell(self, e: Entry):
+        """A tensor on the compute device with e's shape and no storage: what reload() binds a master
+        to so Megatron-Core can attach its fp32 gradient (for a master that never lived there)."""
+        import torch
+
+        shell = torch.empty(e.shape, dtype=e.dtype, device=self.device)
+        shell.untyped_storage().resize_(0)
+        return shell
+
+    def _take_all(self) -> None:
+        for part, b, e, t in list(self._away()):
+            self._take(part, b, e, t)
+
+    def _materialize(self) -> None:
+        """Every planned state the optimizer has not created yet, created by the optimizer's own code
+        (contracts.py), one parameter at a time, and taken into its host view: from here on a state
+        is never whole on the GPU, and a checkpoint load writes into the host views."""
+        for part in self.parts:
+            inner, b = part.inner, part.bindings
+            for bundle in part.bundles:
+                if bundle.resident or not any(e.kind != MASTER for e in bundle.entries):
+                    continue
+                if inner.state.get(bundle.param):
+                    continue  # created already (a load, an earlier step): taken by _take_all
+                part.contract.create(inner, bundle.param, inner.param_groups[bundle.group], self.device)
+                for e in bundle.entries:
+                    t = b.get(e)
+                    if e.kind == MASTER or e.dropped or t is None or same(t, e.host):
+                        continue
+                    if tuple(t.shape) != e.shape or t.dtype != e.dtype:
+                        self._keep(part, b, e, e.host)  # unlike the plan: dropped, with the warning
+                        b.set(e, t.to(self.device))  # and on the device, where the update reads it
+                        continue
+                    self._take(part, b, e, t)
+
+    def _inner_load(self, inner_ref, prior, *args, **kwargs):
+        """The inner optimizer's load_state_dict, then its states back in their host views at once.
+        Transformer Engine's loader makes every state anew (where the parameter is: the host), and
+        Megatron-Core builds the sharded tensors torch_dist fills right after its own round trip
+        through it (sharded_state_dict with is_loading): so the load writes into the pinned buffer."""
+        inner = inner_ref()
+        result = prior(*args, **kwargs) if prior is not None else type(inner).load_state_dict(inner, *args, **kwargs)
+        if self.buffer is not None:
+            self._take_all()
+        return result
+
+    def after_load(self) -> None:
+        """A checkpoint load ran: what it bound elsewhere than the host views (Transformer Engine's
+        loader makes new tensors) is copied into them now, and its memory freed."""
+        if self.buffer is None:
+            return
+        self.synchronize()
+        self._take_all()
 
     # -- the call sites ---------------------------------------------------------------------------
     def offload(self) -> int:
@@ -349,6 +435,7 @@ class StreamedEngine:
             import torch
 
             torch.cuda.synchronize(self.device)
+        self._loaders.restore()
         for part in self.parts:
             for e in part.entries():
                 e.host = None

@@ -18,6 +18,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterable, List, Optional, Set, Tuple
 
+from . import construction
+
 MASTER, STATE, SCALE = "master", "state", "scale"
 ALIGN = 512  # bytes: every entry of 512 bytes or more starts aligned, so copies are clean DMAs
 SMALL_ALIGN = 16  # scales (4 bytes) need not waste 512
@@ -101,8 +103,10 @@ class Movable:
     def take(self, t) -> bool:
         if not isinstance(t, self.torch.Tensor) or t.dim() == 0 or t.numel() == 0:
             return False  # scalars such as torch's step counter stay put
-        if t.device.type not in ("cuda", "cpu") or (t.device.type == "cpu" and self.cpu_is_host):
-            return False  # already on the host
+        if t.device.type not in ("cuda", "cpu"):
+            return False
+        if t.device.type == "cpu" and self.cpu_is_host and not construction.is_staged(t):
+            return False  # already on the host (a master made there at construction still moves in)
         if t.untyped_storage().nbytes() == 0:
             return False  # released elsewhere; never copy from freed storage
         key = storage_key(t)

@@ -20,13 +20,15 @@ from typing import Dict, Optional, Tuple
 
 import wrapt
 
-from .. import agree
+from .. import agree, peaks
 from . import decide, targets
 from ..errors import BridgeFGOConfigError
 from ..log import logger, rank_prefix
 from ..options import Options
 from .session import Registry, Session
 from .targets import Layout, argument
+
+MIB = 2**20
 
 
 class ReloadingFinalize(wrapt.FunctionWrapper):
@@ -78,7 +80,8 @@ class CallSites:
     def site(self, target: targets.Target):
         """The wrapt wrapper for a target, chosen by its role."""
         method = {targets.LOOP: self.train, targets.STEP: self.train_step,
-                  targets.RELEASE_SITE: self.copy_helper}[target.role]
+                  targets.RELEASE_SITE: self.copy_helper, targets.BUILD: self.build_masters,
+                  targets.LOAD: self.load_checkpoint}[target.role]
         return functools.partial(method, target.name)
 
     # -- deciding ---------------------------------------------------------------------------------
@@ -90,12 +93,15 @@ class CallSites:
         allocating anything, then all ranks share their verdicts (agree.py) and raise together, and
         only then does any rank pin."""
         optimizer = argument(self.index[which], "optimizer", args, kwargs)
+        state = argument(self.index[which], "global_state" if which != "load_checkpoint" else "state", args, kwargs)
+        return self._decide(optimizer, getattr(state, "cfg", None))
+
+    def _decide(self, optimizer, cfg) -> Optional[Session]:
         if optimizer is None:
             return None
         known, session = self.registry.lookup(optimizer)
         if known:
             return session
-        cfg = getattr(argument(self.index[which], "global_state", args, kwargs), "cfg", None)
         collective = decide.acts(cfg, optimizer, self.options)
         problem = None
         try:
@@ -171,6 +177,7 @@ class CallSites:
             self._current.reset(token)
             session.ensure_resident()
         session.steps += 1
+        peaks.note(f"iteration {session.steps}")
         session.announce_first_step()
         return result
 
@@ -182,6 +189,37 @@ class CallSites:
         result = wrapped(*args, **kwargs)
         session.release()
         return result
+
+    def build_masters(self, name, wrapped, instance, args, kwargs):
+        """Megatron-Core makes the fp32 masters: with the streamed step, a batch at a time, each batch
+        moved to host memory before the next (construction.py)."""
+        if not (self.enabled and self.options.offload == "builtin" and self.options.chunk_mb):
+            return wrapped(*args, **kwargs)
+        from ..engine import construction
+
+        peaks.note("setup before the optimizer's construction (the model, its buffers)")
+        built = construction.Built()
+        result = construction.build_on_host(wrapped, args, kwargs, self.options.chunk_mb * MIB, built)
+        peaks.note("optimizer construction")
+        if built.masters:
+            logger.info("%sfp32 masters made on the host: %d master(s), %d bytes, in %d batch(es) of at most %d "
+                        "bytes on the GPU", rank_prefix(), built.masters, built.bytes, built.batches,
+                        built.largest_batch)
+        return result
+
+    def load_checkpoint(self, name, wrapped, instance, args, kwargs):
+        """A checkpoint load (setup): the session is decided and prepared first, so every optimizer
+        state already lives in its host view and the load writes there; states that loading replaced
+        are taken back into their host views after it."""
+        session = self._session(name, args, kwargs) if self.enabled else None
+        if session is None:
+            return wrapped(*args, **kwargs)
+        session.prepare()
+        try:
+            return wrapped(*args, **kwargs)
+        finally:
+            session.adapter.after_load()
+            peaks.note("checkpoint load")
 
     def _finalize(self, wrapped, instance, args, kwargs):
         session = self._current.get() if self.enabled else None

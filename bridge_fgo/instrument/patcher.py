@@ -28,7 +28,7 @@ class _Patch:
         self.layout: Optional[targets.Layout] = None
         self.modules: Optional[Dict[str, object]] = None  # Bridge's target modules, once all are loaded
         self.callsites = None
-        self.wrappers: Dict[str, Tuple[object, _Target]] = {}  # target name -> (original, wrapper)
+        self.wrappers: Dict[str, Tuple[object, _Target, object]] = {}  # target name -> (original, wrapper, holder)
         self.aliases: List[str] = []
 
 
@@ -49,7 +49,11 @@ def _on_target_module(_module) -> None:
         if p is None or not p.active or p.modules is not None:
             return
         modules = {name: sys.modules.get(name) for name in targets.MODULES}
-        if all(m is not None for m in modules.values()):
+        # a module one of them imports fires its hook while that one is still being executed: wait for
+        # that one's own hook (importlib marks a module being executed with __spec__._initializing;
+        # the module whose hook fires is done, though still marked)
+        if all(m is not None and (m is _module or not getattr(getattr(m, "__spec__", None), "_initializing", False))
+               for m in modules.values()):
             _apply(p, modules)
 
 
@@ -73,19 +77,20 @@ def _apply(p: _Patch, modules) -> None:
     # Build every wrapper first, then bind them all: all targets or none.
     built = {}
     for t in targets.TARGETS:
-        module = modules[t.module]
-        original = getattr(module, t.name)
+        holder = t.holder(modules[t.module])
+        original = t.raw(modules[t.module])  # as stored: a classmethod stays one, wrapt binds it
         if isinstance(original, _Target):  # a stale wrapper from an earlier patch: wrap what it wraps
             original = original.__wrapped__
-        built[t.name] = (module, original, _Target(original, cs.site(t)))
-    aliases = [(mod, key, name) for name, (module, orig, _) in built.items()
-               for mod, key in targets.holders(orig) if mod is not module]
-    for name, (module, _, wrapper) in built.items():
-        setattr(module, name, wrapper)
+        built[t.name] = (holder, original, _Target(original, cs.site(t)), t.owner is None)
+    # module-level targets only: `from module import name` elsewhere binds the same function
+    aliases = [(mod, key, name) for name, (holder, orig, _, at_module) in built.items() if at_module
+               for mod, key in targets.holders(orig) if mod is not holder]
+    for name, (holder, _, wrapper, _) in built.items():
+        setattr(holder, name, wrapper)
     for mod, key, name in aliases:
         setattr(mod, key, built[name][2])
     p.callsites = cs
-    p.wrappers = {name: (orig, wrapper) for name, (_, orig, wrapper) in built.items()}
+    p.wrappers = {name: (orig, wrapper, holder) for name, (holder, orig, wrapper, _) in built.items()}
     p.aliases = sorted(f"{mod.__name__}.{key}" for mod, key, _ in aliases)
     p.outcome = outcome
     log.once(("patched",), logging.INFO,
@@ -156,7 +161,9 @@ def unpatch() -> rpt.Report:
             if p.callsites is not None:
                 p.callsites.close()
         finally:
-            for original, wrapper in p.wrappers.values():
+            for name, (original, wrapper, holder) in p.wrappers.items():
+                if vars(holder).get(name) is wrapper:  # a class attribute is bound in one place only
+                    setattr(holder, name, original)
                 # every binding of our wrapper, wherever it went (aliases bound after patching too)
                 for mod, key in list(targets.holders(wrapper)):
                     setattr(mod, key, original)

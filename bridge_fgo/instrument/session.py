@@ -12,6 +12,7 @@ import threading
 import weakref
 from typing import Dict, List, Optional, Tuple
 
+from .. import peaks
 from .generations.base import Adapter
 from ..log import logger, rank_prefix
 
@@ -102,6 +103,8 @@ class Session:
             "calls": dict(self.counts),
             "bytes_offloaded": self.bytes_offloaded if self.bytes_known else None,
             "bytes_reloaded": self.bytes_reloaded if self.bytes_known else None,
+            "run_peak_bytes": peaks.peak()[0] or None,
+            "run_peak_phase": peaks.peak()[1],
             **self.adapter.describe(),
         }
 
@@ -130,6 +133,8 @@ class Session:
             self.bytes_offloaded if self.bytes_known else "unknown",
             self.bytes_reloaded if self.bytes_known else "unknown",
         )
+        if peaks.describe():
+            logger.info("%s%s", rank_prefix(), peaks.describe())
         # a Session exists only where offload was asked for (a flag, or offload=builtin)
         if self.steps and c["offload"] == 0:
             msg = (f"{rank_prefix()}offload was requested (mode={self.mode}) but no offload happened in "

@@ -17,6 +17,8 @@ from .generations import native_wiring_names
 LOOP = "loop"  # the training loop: decides per optimizer, states resident at its end, summary
 STEP = "step"  # one training step: decides, makes the Session current while it runs
 RELEASE_SITE = "release-site"  # offload before it, release after it
+BUILD = "build"  # Megatron-Core makes the fp32 masters: made on the host, a batch at a time
+LOAD = "load"  # a checkpoint load: the states placed on the host before it, so it writes there
 # Where Bridge (or a fork) would call offload methods if it wired offload itself.
 WIRING_ROLES = (LOOP, STEP)
 
@@ -29,13 +31,32 @@ class Target:
     purpose: str
     params: Tuple[str, ...] = ()  # parameters it must take (the wrappers read them by name)
     calls: Tuple[str, ...] = ()  # names its code must refer to: how the loop reaches the next site
+    owner: Optional[str] = None  # a class of `module` holding the target (a method), or None: module level
 
     @property
     def qualname(self) -> str:
-        return f"{self.module}.{self.name}"
+        return ".".join(x for x in (self.module, self.owner, self.name) if x)
+
+    def holder(self, module):
+        """Where the target is bound: the module, or its class `owner` (None if missing)."""
+        return getattr(module, self.owner, None) if self.owner else module
+
+    def raw(self, module):
+        """The object bound there as stored (a classmethod object for a classmethod), or None."""
+        holder = self.holder(module)
+        return vars(holder).get(self.name) if holder is not None else None
+
+    def func(self, module):
+        """The target as callers reach it (a method bound to its class), or None."""
+        holder = self.holder(module)
+        if holder is None:
+            return None
+        return getattr(holder, self.name, None) if self.owner else vars(holder).get(self.name)
 
 
 TRAIN_MODULE = "megatron.bridge.training.train"
+CHECKPOINT_MODULE = "megatron.bridge.training.checkpointing"
+DIST_OPTIMIZER_MODULE = "megatron.core.optimizer.distrib_optimizer"  # imported with Bridge's train module
 TARGETS: Tuple[Target, ...] = (
     Target("train", TRAIN_MODULE, LOOP, "the training loop: states resident when it ends, the run's summary",
            params=("model", "optimizer", "global_state"), calls=("train_step",)),
@@ -44,6 +65,12 @@ TARGETS: Tuple[Target, ...] = (
            calls=("_handle_mxfp8_param_buffer_copy",)),
     Target("_handle_mxfp8_param_buffer_copy", TRAIN_MODULE, RELEASE_SITE,
            "the param-buffer copy helper: offload before it, release after it (it reads the masters)"),
+    Target("load_checkpoint", CHECKPOINT_MODULE, LOAD,
+           "a checkpoint load in setup: the engine takes the states onto the host first, so the load writes there",
+           params=("state", "optimizer")),
+    Target("_build_model_and_main_param_groups", DIST_OPTIMIZER_MODULE, BUILD,
+           "Megatron-Core's construction of the fp32 masters: run a batch of parameters at a time, masters to the host",
+           params=("gbuf_ranges", "param_gbuf_map", "opt_group_ranges", "config"), owner="DistributedOptimizer"),
 )
 MODULES: Tuple[str, ...] = tuple(dict.fromkeys(t.module for t in TARGETS))
 
@@ -122,7 +149,7 @@ def _param_index(func, needed) -> Tuple[Dict[str, int], List[str]]:
 def inspect_layout(modules: Mapping[str, types.ModuleType]) -> Layout:
     """Check every target the patch needs, so it can patch all of them or none.
     `modules`: each module in MODULES by name."""
-    funcs = {t.name: vars(modules[t.module]).get(t.name) for t in TARGETS}
+    funcs = {t.name: t.func(modules[t.module]) for t in TARGETS}
     found = {name: callable(f) for name, f in funcs.items()}
     problems = [Problem(f"{t.qualname} is missing", t.name) for t in TARGETS if not found[t.name]]
     index = {}

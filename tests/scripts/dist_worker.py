@@ -25,8 +25,8 @@ import megatron.bridge.training.train as train_module  # noqa: E402
 total = torch.tensor([float(dist.get_rank() + 1)])
 dist.all_reduce(total)
 report = bridge_fgo.status()
-wrapped_once = all(isinstance(getattr(sys.modules[t.module], t.name), _Target)
-                   and not isinstance(getattr(sys.modules[t.module], t.name).__wrapped__, _Target) for t in TARGETS)
+wrapped_once = all(isinstance(t.raw(sys.modules[t.module]), _Target)
+                   and not isinstance(t.raw(sys.modules[t.module]).__wrapped__, _Target) for t in TARGETS)
 # one write(2) per line: two workers share the pipe, and print() may split a line in two writes
 os.write(1, ("WORKER " + json.dumps({
     "rank": dist.get_rank(),

@@ -23,7 +23,7 @@ def wrapped_once(obj, name):
 def check_patched():
     t = sys.modules[TRAIN]
     for target in TARGETS:
-        wrapped_once(getattr(sys.modules[target.module], target.name), target.name)
+        wrapped_once(target.raw(sys.modules[target.module]), target.name)
     assert bridge_fgo.is_patched(), bridge_fgo.status()
     if PRETRAIN in sys.modules:
         assert sys.modules[PRETRAIN].train is t.train, "pretrain.train does not reach the wrapped train"
@@ -32,7 +32,7 @@ def check_patched():
 def check_unpatched():
     t = sys.modules[TRAIN]
     for target in TARGETS:
-        assert not isinstance(getattr(sys.modules[target.module], target.name), _Target), \
+        assert not isinstance(target.raw(sys.modules[target.module]), _Target), \
             f"{target.name} still wrapped after unpatch"
     if PRETRAIN in sys.modules:
         assert sys.modules[PRETRAIN].train is t.train, "pretrain.train not restored"

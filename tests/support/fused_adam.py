@@ -9,7 +9,8 @@ an engine that moves their states (the elementwise kernel is plain torch arithme
   non-fp32 state (used for fp16: state = unscaled / scale); `master_param` in the state when
   `master_weights` (fp32, or int16 remainders with `store_param_remainders` for bf16 parameters); the
   gradient read from `p.decoupled_grad` when `use_decoupled_grad`; the model parameter written by
-  the step itself; get_unscaled_state / set_scaled_state for checkpoints.
+  the step itself; get_unscaled_state / set_scaled_state for checkpoints, and TE's state_dict /
+  load_state_dict overrides (states out unscaled in fp32; in, every state made anew and scaled).
   Difference kept on purpose: the remainder here is the low 16 bits of a master truncated (not
   rounded) to the bf16 parameter, so it reconstructs exactly with plain bit operations; TE rounds.
   Same dtype, shape and role.
@@ -106,6 +107,36 @@ class TEFusedAdam(torch.optim.Optimizer):
         scale.copy_((absmax / (torch.finfo(torch.float16).max / 2.0)).reshape(1))  # written in place, as TE does
         rscale = torch.where(scale > 0, scale.reciprocal(), torch.zeros_like(scale))
         scaled.copy_(unscaled * rscale)
+
+    # -- checkpoints: TE's overrides (every state unscaled to fp32 out; new states, scaled, in) -----
+    def _id_map(self, saved_groups):
+        import itertools
+
+        return dict(zip(itertools.chain.from_iterable(g["params"] for g in saved_groups),
+                        itertools.chain.from_iterable(g["params"] for g in self.param_groups)))
+
+    def state_dict(self):
+        state_dict = super().state_dict()
+        id_map = self._id_map(state_dict["param_groups"])
+        for k, v in state_dict["state"].items():
+            if k in id_map:
+                state_dict["state"][k] = {name: self.get_unscaled_state(id_map[k], name) for name in v}
+        return state_dict
+
+    def load_state_dict(self, state_dict):
+        super().load_state_dict(state_dict)
+        id_map = self._id_map(state_dict["param_groups"])
+        for k, v in state_dict["state"].items():
+            if k in id_map:
+                param = id_map[k]
+                self.state[param] = {}  # TE makes every state anew
+                for name, value in v.items():
+                    if value is None:
+                        continue
+                    if self.store_param_remainders and name == "master_param" and param.dtype == torch.bfloat16:
+                        self.set_scaled_state(param, name, value)
+                    else:
+                        self.set_scaled_state(param, name, value.float())
 
     # -- step ----------------------------------------------------------------------------------
     def step(self, closure=None):

@@ -45,6 +45,9 @@ class Adapter:
     def synchronize(self) -> None:
         """Every copy in flight has finished."""
 
+    def after_load(self) -> None:
+        """A checkpoint load has run (prepare() ran before it): states it replaced go where they live."""
+
     def end_training(self) -> bool:
         """train() returned or raised: let nothing of bridge_fgo's (pinned memory) outlive it. True if
         the adapter closed (the next train() decides afresh); False if it keeps what it needs."""

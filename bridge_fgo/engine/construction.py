@@ -1,0 +1,128 @@
+"""The fp32 masters created in host memory, a few at a time, while Megatron-Core builds the optimizer.
+
+Megatron-Core's DistributedOptimizer creates every fp32 master on the GPU in its constructor
+(`_build_model_and_main_param_groups`: `shard_model_param.clone().float()` for each bf16/fp16
+parameter shard), so setup alone needs all of them at once: under full recomputation that was the
+run's peak. build_on_host() runs Megatron-Core's own classmethod over a few parameters at a time (at
+most `chunk_bytes` of masters) and moves each batch's masters to host memory before the next batch is
+made; the GPU holds one batch at most. The results are the original's, assembled in its order:
+
+- each of the five group lists is the concatenation of the batches' lists;
+- the inner optimizer's params (`orig_group["params"]`) are `[*fp32 shards, *the rest]` as the
+  original writes them for the whole group, rebuilt from each batch's `[*fp32 shards, *the rest]`.
+
+The masters keep their objects (`master.data` is rebound), so `model_param.main_param` and the
+optimizer's param groups still hold them. The engine takes them from their staging tensors into its
+pinned buffer when it prepares (streamed.py); until then they are ordinary pageable host tensors,
+which Megatron-Core's readers (reload_model_params after a model-only load) read and write as any
+tensor.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Dict, List, Optional
+
+from ..errors import BridgeFGOError
+
+# id(master) -> a weak reference to it: masters created on the host by build_on_host(). Not a WeakSet:
+# it compares tensors with ==, which is elementwise.
+_staged: Dict[int, "weakref.ref"] = {}
+
+
+def _stage(t) -> None:
+    key = id(t)
+    _staged[key] = weakref.ref(t, lambda ref, key=key: _staged.get(key) is ref and _staged.pop(key, None))
+
+
+def is_staged(t) -> bool:
+    """A master this module created in host memory (not yet taken into a pinned buffer)."""
+    ref = _staged.get(id(t))
+    return ref is not None and ref() is t
+
+
+def unstage(t) -> None:
+    if is_staged(t):
+        del _staged[id(t)]
+
+
+class Built:
+    """What one construction did, for the per-rank line."""
+
+    def __init__(self):
+        self.masters = 0
+        self.bytes = 0
+        self.batches = 0
+        self.largest_batch = 0
+
+
+def _batches(params, param_gbuf_map, gbuf_ranges, chunk_bytes: int) -> List[list]:
+    """Parameters in order, cut where the next one's fp32 master would pass chunk_bytes (never split)."""
+    out, current, size = [], [], 0
+    for p in params:
+        gbuf_index, dtype, bucket_index = param_gbuf_map[p]
+        numel = gbuf_ranges[gbuf_index][dtype][bucket_index]["param_map"][p]["param"].size
+        nbytes = 4 * numel
+        if current and size + nbytes > chunk_bytes:
+            out.append(current)
+            current, size = [], 0
+        current.append(p)
+        size += nbytes
+    if current:
+        out.append(current)
+    return out
+
+
+def _to_host(masters, built: Built, batch_bytes: int) -> None:
+    import torch
+
+    for m in masters:
+        if m is None or m.device.type != "cuda":
+            continue  # precision-aware: the optimizer holds them; on CPU (tests) they already are host tensors
+        host = torch.empty(m.shape, dtype=m.dtype, device="cpu")
+        host.copy_(m)  # synchronous: the GPU copy is freed as soon as the last reference goes below
+        m.data = host
+    for m in masters:
+        if m is not None:
+            _stage(m)
+            built.masters += 1
+            built.bytes += m.numel() * m.element_size()
+    built.batches += 1
+    built.largest_batch = max(built.largest_batch, batch_bytes)
+
+
+def build_on_host(wrapped, args, kwargs, chunk_bytes: int, built: Optional[Built] = None):
+    """Megatron-Core's `_build_model_and_main_param_groups(gbuf_ranges, param_gbuf_map,
+    opt_group_ranges, config)`, batch by batch, masters on the host."""
+    built = built if built is not None else Built()
+    names = ("gbuf_ranges", "param_gbuf_map", "opt_group_ranges", "config")
+    bound = dict(zip(names, args))
+    bound.update({k: v for k, v in kwargs.items() if k in names})
+    if set(bound) != set(names) or len(args) + len(kwargs) != len(names):
+        raise BridgeFGOError("internal: _build_model_and_main_param_groups called with arguments bridge_fgo "
+                             f"does not know ({len(args)} positional, keywords {sorted(kwargs)})")
+    gbuf_ranges, param_gbuf_map, config = bound["gbuf_ranges"], bound["param_gbuf_map"], bound["config"]
+    results: List[list] = [[] for _ in range(5)]
+    for group_range in bound["opt_group_ranges"]:
+        lists: List[list] = [[] for _ in range(5)]
+        fp32_shards, rest = [], []
+        for batch in _batches(group_range["params"], param_gbuf_map, gbuf_ranges, chunk_bytes):
+            orig_group = {}
+            out = wrapped(gbuf_ranges, param_gbuf_map, [dict(group_range, params=batch, orig_group=orig_group)],
+                          config)
+            if len(out) != 5 or any(len(x) != 1 for x in out):
+                raise BridgeFGOError("internal: _build_model_and_main_param_groups returned "
+                                     f"{len(out)} lists, not the five group lists bridge_fgo knows")
+            for acc, one in zip(lists, out):
+                acc += one[0]
+            head = out[3][0]  # the fp32 shards come first in the inner optimizer's params
+            params = orig_group.get("params", [])
+            if [id(t) for t in params[:len(head)]] != [id(t) for t in head]:
+                raise BridgeFGOError("internal: Megatron-Core no longer lists a group's fp32 shards first in the "
+                                     "inner optimizer's params")
+            fp32_shards += params[:len(head)]
+            rest += params[len(head):]
+            _to_host(out[4][0], built, sum(4 * (m.numel() if m is not None else 0) for m in out[4][0]))
+        group_range["orig_group"]["params"] = [*fp32_shards, *rest]
+        for acc, one in zip(results, lists):
+            acc.append(one)
+    return tuple(results)

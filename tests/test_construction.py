@@ -1,0 +1,122 @@
+"""The fp32 masters made a batch at a time and moved to the host while Megatron-Core builds the
+optimizer: Megatron-Core's real `_build_model_and_main_param_groups`, through the patch.
+
+The classmethod checks `model_param.type()` for CUDA tensor types; the parameters here are CPU tensors
+of a subclass that reports the CUDA type name (the only stand-in: no GPU here). Everything else is the
+real classmethod, run once whole and once batch by batch, and the two results compared.
+"""
+import pytest
+import torch
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer, Range
+
+import bridge_fgo
+from bridge_fgo.engine import construction
+from bridge_fgo.instrument import targets
+
+CUDA_TYPE = {torch.bfloat16: "torch.cuda.BFloat16Tensor", torch.float16: "torch.cuda.HalfTensor",
+             torch.float32: "torch.cuda.FloatTensor"}
+
+
+class CudaTyped(torch.Tensor):
+    """A CPU tensor whose type() names the CUDA type, as a model parameter on the GPU does."""
+
+    def type(self, dtype=None, *args, **kwargs):
+        if dtype is None and not args and not kwargs:
+            return CUDA_TYPE[self.dtype]
+        return super().type(dtype, *args, **kwargs)
+
+
+def layout(seed=0, sizes=(40, 8, 24, 16, 8), groups=2):
+    """Megatron-Core's inputs for one rank holding every parameter: bf16 params and one fp32 param,
+    one buffer per dtype, dealt round-robin into `groups` optimizer groups."""
+    from megatron.core.optimizer.optimizer_config import OptimizerConfig
+
+    g = torch.Generator().manual_seed(seed)
+    params = [torch.nn.Parameter(torch.randn(n, generator=g).bfloat16().as_subclass(CudaTyped)) for n in sizes]
+    fp32 = torch.nn.Parameter(torch.randn(12, generator=g).as_subclass(CudaTyped))
+    gbuf_ranges = [{torch.bfloat16: [{"param_map": {p: {"param": Range(0, p.numel())} for p in params}}]},
+                   {torch.float32: [{"param_map": {fp32: {"param": Range(0, fp32.numel())}}}]}]
+    param_gbuf_map = {**{p: (0, torch.bfloat16, 0) for p in params}, fp32: (1, torch.float32, 0)}
+    everything = [*params, fp32]
+    opt_group_ranges = [{"params": everything[i::groups], "orig_group": {"params": everything[i::groups], "lr": i}}
+                        for i in range(groups)]
+    config = OptimizerConfig(bf16=True, use_distributed_optimizer=True)
+    return gbuf_ranges, param_gbuf_map, opt_group_ranges, config
+
+
+def values(result, opt_group_ranges):
+    """The five group lists and the inner optimizer's params, as data (the objects differ per run)."""
+    def data(t):
+        return None if t is None else (tuple(t.shape), t.dtype, t.detach().clone().as_subclass(torch.Tensor))
+
+    lists = [[[data(t) for t in group] for group in groups] for groups in result]
+    inner = [[data(t) for t in g["orig_group"]["params"]] for g in opt_group_ranges]
+    return lists, inner
+
+
+def assert_equal(a, b):
+    if isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_equal(x, y)
+    elif isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    else:
+        assert a == b
+
+
+def original():
+    return vars(DistributedOptimizer)["_build_model_and_main_param_groups"].__func__
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 100, 2**20])
+@pytest.mark.parametrize("groups", [1, 2])
+def test_batch_by_batch_equals_megatron_cores_whole_construction(chunk_bytes, groups):
+    whole_in = layout(groups=groups)
+    want = values(original()(DistributedOptimizer, *whole_in), whole_in[2])
+    batched_in = layout(groups=groups)
+    built = construction.Built()
+    got = construction.build_on_host(
+        lambda *a: original()(DistributedOptimizer, *a), batched_in[:3] + (batched_in[3],), {}, chunk_bytes, built)
+    assert_equal(values(got, batched_in[2]), want)
+    masters = [m for group in got[4] for m in group]
+    assert built.masters == len(masters) == 5 and all(construction.is_staged(m) for m in masters)
+    # never more than one batch of masters made at once: one parameter per batch below its own size
+    largest_master = 4 * 40
+    assert built.largest_batch <= max(chunk_bytes, largest_master)
+    if chunk_bytes == 1:
+        assert built.batches == 6  # one per parameter, the fp32 one (no master) included
+
+
+def test_the_masters_keep_their_objects_and_megatron_cores_handles():
+    gbuf_ranges, param_gbuf_map, opt_group_ranges, config = layout()
+    got = construction.build_on_host(lambda *a: original()(DistributedOptimizer, *a),
+                                     (gbuf_ranges, param_gbuf_map, opt_group_ranges, config), {}, 1)
+    for models, masters in zip(got[0], got[4]):
+        for model, master in zip(models, masters):
+            assert model.main_param is master  # Megatron-Core's handle, set in its own loop
+    inner = [t for g in opt_group_ranges for t in g["orig_group"]["params"]]
+    assert {id(m) for group in got[4] for m in group} <= {id(t) for t in inner}
+
+
+def test_unknown_arguments_are_an_error_not_a_guess():
+    with pytest.raises(bridge_fgo.BridgeFGOError, match="does not know"):
+        construction.build_on_host(original(), (1, 2), {"extra": 3}, 1)
+
+
+def test_through_the_patch_only_with_the_streamed_step(train_module):
+    target = targets.target("_build_model_and_main_param_groups")
+    bridge_fgo.patch(offload="builtin", chunk_mb=1)
+    assert isinstance(target.raw(__import__(target.module, fromlist=["_"])).__wrapped__, classmethod)
+    gbuf_ranges, param_gbuf_map, opt_group_ranges, config = layout()
+    result = DistributedOptimizer._build_model_and_main_param_groups(gbuf_ranges, param_gbuf_map,
+                                                                     opt_group_ranges, config)
+    assert all(construction.is_staged(m) for group in result[4] for m in group)
+    bridge_fgo.unpatch()
+    assert vars(DistributedOptimizer)["_build_model_and_main_param_groups"].__func__ is original()
+
+    for options in (dict(offload="auto"), dict(offload="builtin", chunk_mb=0)):
+        bridge_fgo.patch(**options)
+        result = DistributedOptimizer._build_model_and_main_param_groups(*layout())
+        assert not any(construction.is_staged(m) for group in result[4] for m in group), options
+        bridge_fgo.unpatch()

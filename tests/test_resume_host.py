@@ -1,0 +1,150 @@
+"""A resume loads into host memory: with the streamed step prepared before the load (as the patched
+load_checkpoint does), Megatron-Core's real load path (DistributedOptimizer.sharded_state_dict with
+is_loading=True, which first runs load_state_dict(state_dict()); torch_dist filling the sharded
+tensors in place; load_state_dict with the parameter state) finds every optimizer state in its host
+view, creates nothing, and writes the checkpoint's values straight into the pinned buffer. The
+resumed optimizer then steps bit-identically to the same resume without offload.
+
+torch AdamW needs scripts/resume_fix.py for any resume (a Megatron-Core defect, with or without
+offload). For TE's and apex's FusedAdam (the stand-ins) Megatron-Core's module flags say what they
+say when TE or apex is installed.
+"""
+import copy
+import os
+import sys
+
+import pytest
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.optimizer import distrib_optimizer
+
+from bridge_fgo.engine import contracts
+from bridge_fgo.engine.streamed import StreamedEngine
+from test_resume_fix import FORMAT, checkpoint_load, optimizer
+from test_streamed import OPTIMIZERS as CASES, assert_same, make, snapshot, step
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+import resume_fix  # noqa: E402
+
+@pytest.fixture
+def megatron_core_for(monkeypatch):
+    """Megatron-Core's module flags as they are with this optimizer installed, and the resume fix for
+    torch AdamW (removed afterwards)."""
+    def setup(kind):
+        if kind == "torch":
+            resume_fix.install()
+        else:
+            monkeypatch.setattr(distrib_optimizer, "HAVE_APEX_OR_TE", True)
+            monkeypatch.setattr(distrib_optimizer, "USING_TE_OPTIMIZER", kind == "te", raising=False)
+            monkeypatch.setattr(distrib_optimizer, "USING_APEX_OPTIMIZER", kind == "apex", raising=False)
+
+    yield setup
+    resume_fix.uninstall()
+
+
+def fresh(case):
+    opt = optimizer() if case == "torch" else make(**CASES[case])
+    if case != "torch":
+        from megatron.core.optimizer.optimizer import param_group_identifier_keys
+        import types
+
+        defaults = {"wd_mult": 1.0, "lr_mult": 1.0, "is_expert_parallel": False, "is_decoupled_lr": False}
+        for group in opt.optimizer.param_groups:
+            for key in param_group_identifier_keys:
+                group.setdefault(key, defaults.get(key))
+        opt.grad_scaler, opt.config.fp16, opt.config.optimizer = None, False, "adam"
+        opt.data_parallel_group = types.SimpleNamespace(rank=lambda: 0, size=lambda: 1)
+        opt.data_parallel_group_idx = opt.distributed_optimizer_instance_id = 0
+        for buffer in opt.buffers:
+            for bucket in buffer.buckets:
+                bucket.numel_unpadded, bucket.grad_data = bucket.param_data.numel(), buffer.grad_data
+    return opt
+
+
+def sharded_tensors(tree):
+    if isinstance(tree, dict):
+        tree = list(tree.values())
+    if isinstance(tree, (list, tuple)):
+        return [t for x in tree for t in sharded_tensors(x)]
+    return [tree] if isinstance(tree, ShardedTensor) else []
+
+
+def host_ranges(engine):
+    buf = engine.buffer.tensor
+    return buf.data_ptr(), buf.data_ptr() + buf.numel()
+
+
+@pytest.mark.parametrize("case", ["torch", "apex", "te", "te-precision-aware-bf16"])
+@pytest.mark.parametrize("fmt", ["dp_reshardable"])
+def test_resume_writes_into_the_host_buffer_and_continues_bit_identically(megatron_core_for, case, fmt):
+    megatron_core_for("torch" if case == "torch" else case.split("-")[0])
+    metadata = {"distrib_optim_sharding_type": fmt}
+    source = fresh(case)
+    source_engine = StreamedEngine([source], 2000)
+    source_engine.prepare()
+    for _ in range(2):
+        step(source, source_engine)
+    saved = copy.deepcopy(source.sharded_state_dict({}, False, metadata=metadata))  # saved under offload
+
+    def resume(with_offload):
+        opt = fresh(case)
+        engine = None
+        if not with_offload:  # Megatron-Core would create them with torch.empty on the GPU; here on CPU
+            inner = opt.optimizer
+            for group in inner.param_groups:
+                for p in group["params"]:
+                    contracts.of(inner).create(inner, p, group, p.device)
+        if with_offload:
+            engine = StreamedEngine([opt], 2000)
+            engine.prepare()  # what the patched load_checkpoint does before Megatron-Core's load
+            before = {id(e): e.host.data_ptr() for p in engine.parts for e in p.entries()}
+        loading = opt.sharded_state_dict({}, True, metadata=metadata)
+        if with_offload and not CASES.get(case, {}).get("precision_aware"):
+            # (precision-aware: Megatron-Core loads into unscaled fp32 copies that TE's get_unscaled_state
+            # makes where the states are, the host, then set_scaled_state writes them into the host views)
+            low, high = host_ranges(engine)
+            # every tensor torch_dist fills is a host view of the pinned buffer (the load writes there),
+            # but for the fp32 parameters' own shards, which are the model's (they never move)
+            model = {b.param_data.untyped_storage().data_ptr() for b in opt.buffers}
+            filled = [t.data for t in sharded_tensors(loading) if t.data.numel()]
+            assert all(low <= t.data_ptr() < high or t.untyped_storage().data_ptr() in model for t in filled)
+            assert sum(low <= t.data_ptr() < high for t in filled) == sum(len(p.entries()) for p in engine.parts)
+        opt.load_state_dict(checkpoint_load(saved, loading))
+        opt.buffers[0].param_data.copy_(source.buffers[0].param_data)  # the model's own weights load apart
+        opt._gen = source._gen
+        if with_offload:
+            engine.after_load()
+            assert engine.on_host()
+            assert {id(e): e.host.data_ptr() for p in engine.parts for e in p.entries()} == before
+        return opt, engine
+
+    plain, _ = resume(False)
+    offloaded, engine = resume(True)
+    for _ in range(3):
+        step(plain)
+        step(offloaded, engine)
+        assert_same(snapshot(plain), snapshot(offloaded))
+
+
+def test_states_exist_in_their_host_views_before_the_first_step():
+    opt = make()
+    engine = StreamedEngine([opt], 2000)
+    engine.prepare()
+    assert engine.on_host()
+    assert all(len(opt.optimizer.state[p]) for g in opt.optimizer.param_groups for p in g["params"])
+    low, high = host_ranges(engine)
+    for part in engine.parts:
+        for e in part.entries():
+            assert low <= part.bindings.get(e).data_ptr() < high
+    assert engine.offload() == engine.bytes and not engine._adopted  # the first offload moves nothing
+
+
+@pytest.mark.parametrize("case", ["torch", "apex", "te", "te-precision-aware-bf16", "te-precision-aware-remainders"])
+def test_created_states_equal_the_optimizers_own_first_step(case):
+    kw = {} if case == "torch" else CASES[case]
+    base, opt = make(**kw), make(**kw)
+    engine = StreamedEngine([opt], 2000)
+    engine.prepare()
+    for _ in range(2):
+        step(base)
+        step(opt, engine)
+        assert_same(snapshot(base), snapshot(opt))
