@@ -125,8 +125,9 @@ def test_resume_writes_into_the_host_buffer_and_continues_bit_identically(megatr
         assert_same(snapshot(plain), snapshot(offloaded))
 
 
-def test_states_exist_in_their_host_views_before_the_first_step():
-    opt = make()
+@pytest.mark.parametrize("case", ["apex", "te", "te-precision-aware-bf16"])
+def test_states_exist_in_their_host_views_before_the_first_step(case):
+    opt = make(**CASES[case])
     engine = StreamedEngine([opt], 2000)
     engine.prepare()
     assert engine.on_host()
@@ -136,6 +137,19 @@ def test_states_exist_in_their_host_views_before_the_first_step():
         for e in part.entries():
             assert low <= part.bindings.get(e).data_ptr() < high
     assert engine.offload() == engine.bytes and not engine._adopted  # the first offload moves nothing
+
+
+def test_torch_adamw_states_are_left_to_its_first_step_or_a_load():
+    """Megatron-Core loads torch AdamW's per-parameter step only into an optimizer that has not
+    stepped, failing loudly otherwise (scripts/resume_fix.py): the engine creates nothing for it."""
+    from megatron.core.optimizer import distrib_optimizer as m
+
+    opt = optimizer()
+    StreamedEngine([opt], 2000).prepare()
+    assert len(opt.optimizer.state) == 0
+    if not m.HAVE_APEX_OR_TE:
+        with pytest.raises(AssertionError):
+            opt.sharded_state_dict({}, True, metadata=FORMAT)  # as without offload
 
 
 @pytest.mark.parametrize("case", ["torch", "apex", "te", "te-precision-aware-bf16", "te-precision-aware-remainders"])

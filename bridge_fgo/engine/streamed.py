@@ -251,8 +251,17 @@ class StreamedEngine:
     def _materialize(self) -> None:
         """Every planned state the optimizer has not created yet, created by the optimizer's own code
         (contracts.py), one parameter at a time, and taken into its host view: from here on a state
-        is never whole on the GPU, and a checkpoint load writes into the host views."""
+        is never whole on the GPU, and a checkpoint load writes into the host views.
+
+        Only for the optimizers that keep their step count in the param group (TE's and apex's
+        FusedAdam). torch AdamW keeps a step per parameter, and Megatron-Core loads it only into an
+        optimizer that has not stepped, through a path that fails loudly without a fix
+        (scripts/resume_fix.py); states made here would turn that failure into a resume with the wrong
+        step. Its states are made by its first step, inside the window, or by the load (on the host,
+        where its masters are) and taken into their host views at once (_inner_load)."""
         for part in self.parts:
+            if not part.contract.group_step:
+                continue
             inner, b = part.inner, part.bindings
             for bundle in part.bundles:
                 if bundle.resident or not any(e.kind != MASTER for e in bundle.entries):
