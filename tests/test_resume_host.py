@@ -14,10 +14,12 @@ import os
 import sys
 
 import pytest
+from packaging.version import Version
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.optimizer import distrib_optimizer
 
 from bridge_fgo.engine import contracts
+from conftest import MCORE
 from bridge_fgo.engine.streamed import StreamedEngine
 from test_resume_fix import FORMAT, checkpoint_load, optimizer
 from test_streamed import OPTIMIZERS as CASES, assert_same, make, snapshot, step
@@ -76,6 +78,9 @@ def host_ranges(engine):
 @pytest.mark.parametrize("case", ["torch", "apex", "te", "te-precision-aware-bf16"])
 @pytest.mark.parametrize("fmt", ["dp_reshardable"])
 def test_resume_writes_into_the_host_buffer_and_continues_bit_identically(megatron_core_for, case, fmt):
+    if CASES.get(case, {}).get("precision_aware") and Version(MCORE) < Version("0.17"):
+        pytest.skip(f"megatron-core {MCORE} passes dp_reshardable's non-tensor 'padding' entry to TE's "
+                    "set_scaled_state: a precision-aware load fails there with or without offload")
     megatron_core_for("torch" if case == "torch" else case.split("-")[0])
     metadata = {"distrib_optim_sharding_type": fmt}
     source = fresh(case)
