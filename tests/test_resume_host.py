@@ -167,3 +167,60 @@ def test_created_states_equal_the_optimizers_own_first_step(case):
         step(base)
         step(opt, engine)
         assert_same(snapshot(base), snapshot(opt))
+
+
+@pytest.mark.parametrize("case", ["te-precision-aware-bf16", "te-precision-aware-remainders", "te", "apex"])
+def test_a_model_only_load_leaves_no_stale_state(case):
+    """Finetuning from a checkpoint of the model only: the load writes the model's weights, then
+    Megatron-Core's reload_model_params copies them into its masters (host views); with TE holding the
+    masters it does nothing, and TE makes master_param from the parameter: the engine creates such
+    states after the load, from the loaded weights, as the optimizer's first step would."""
+    kw = CASES[case]
+    base, opt = make(**kw), make(**kw)
+    engine = StreamedEngine([opt], 2000)
+    engine.states_after_load = True  # what the load call site says before a model-only load
+    engine.prepare()
+    loaded = make(seed=7, **kw).buffers[0].param_data  # the checkpoint's weights
+    for o in (base, opt):
+        o.buffers[0].param_data.copy_(loaded)
+        o.reload_model_params()  # Megatron-Core's own, as Bridge calls it after a model-only load
+    engine.after_load()
+    assert engine.on_host()
+    for _ in range(2):
+        step(base)
+        step(opt, engine)
+        assert_same(snapshot(base), snapshot(opt))
+
+
+@pytest.mark.parametrize("load_optim", [True, False])
+def test_the_load_call_site_prepares_the_engine_before_bridges_load(train_module, load_optim):
+    """Bridge's load_checkpoint as the patch wraps it: the session is decided and its engine prepared
+    before the load runs (states in their host views, or, for a load of the model only, made after
+    it), and what the load bound elsewhere is taken back into the host views when it returns."""
+    import types
+
+    import bridge_fgo
+    from bridge_fgo.instrument import targets
+    from test_streamed import rig
+
+    bridge_fgo.patch(offload="builtin", chunk_mb=1)
+    r = rig(optimizer="te")
+    r.cfg.checkpoint = types.SimpleNamespace(load_optim=load_optim, finetune=False, save=None, load="ck")
+    cs = bridge_fgo.instrument.patcher._current.callsites
+    site = cs.site(targets.target("load_checkpoint"))
+    inner = r.dist_optimizer.optimizer
+    seen = {}
+
+    def load(state, model, optimizer, scheduler):  # stands in for Bridge's load: one state made anew
+        seen["states"] = sum(len(inner.state[p]) for g in inner.param_groups for p in g["params"])
+        p = inner.param_groups[0]["params"][0]
+        if inner.state[p]:
+            inner.state[p]["exp_avg"] = inner.state[p]["exp_avg"].clone() + 1
+        return 0, 0
+
+    assert site(load, None, (types.SimpleNamespace(cfg=r.cfg), r.model, r.optimizer, None), {}) == (0, 0)
+    (session,) = cs.registry.sessions()
+    engine = session.adapter.engine
+    assert (seen["states"] > 0) == load_optim  # a model-only load: made after it, from the loaded weights
+    assert engine.on_host() and all(len(inner.state[p]) for g in inner.param_groups for p in g["params"])
+    bridge_fgo.unpatch()

@@ -75,6 +75,10 @@ class BuiltinAdapter:
     def synchronize(self) -> None:
         self.engine.synchronize()
 
+    def before_load(self, loads_optimizer: bool) -> None:
+        if self.chunk_mb and not loads_optimizer:
+            self.engine.states_after_load = True
+
     def after_load(self) -> None:
         if self.chunk_mb:
             self.engine.after_load()

@@ -123,6 +123,9 @@ class StreamedEngine:
         self.guards = update.Shadows()  # READERS wrapped while the tail is in flight
         self._hooks = update.Shadows()  # step hooks while armed
         self._loaders = update.Shadows()  # the inner optimizers' load_state_dict, from prepare() to close()
+        # a load of the model only is coming: states made from the parameters (TE's master_param) must
+        # be made from the loaded ones, after it
+        self.states_after_load = False
         self._adopted: List[object] = []  # GPU tensors copied to the host, freed at release()
         self._started: set = set()  # chunk indices whose host-to-device copy was started this update
         self._copied_masters: set = set()  # part indices whose masters were copied chunk by chunk
@@ -185,7 +188,8 @@ class StreamedEngine:
         self.copies = copies_mod.copies_for(self.device)
         self.window = copies_mod.Window(self.copies, self.window_bytes, self.device)
         self._take_all()  # masters made on the host at construction, states a load put elsewhere
-        self._materialize()
+        if not self.states_after_load:
+            self._materialize()
         for part in self.parts:
             inner = part.inner
             prior = inner.__dict__.get("load_state_dict")  # e.g. Bridge's memory-efficient loader
@@ -297,6 +301,9 @@ class StreamedEngine:
             return
         self.synchronize()
         self._take_all()
+        if self.states_after_load:
+            self.states_after_load = False
+            self._materialize()
 
     # -- the call sites ---------------------------------------------------------------------------
     def offload(self) -> int:

@@ -94,9 +94,14 @@ class CallSites:
         only then does any rank pin."""
         optimizer = argument(self.index[which], "optimizer", args, kwargs)
         state = argument(self.index[which], "global_state" if which != "load_checkpoint" else "state", args, kwargs)
-        return self._decide(optimizer, getattr(state, "cfg", None))
+        cfg = getattr(state, "cfg", None)
+        loading = None
+        if which == "load_checkpoint":
+            ckpt = getattr(cfg, "checkpoint", None)
+            loading = bool(getattr(ckpt, "load_optim", True) and not getattr(ckpt, "finetune", False))
+        return self._decide(optimizer, cfg, loading)
 
-    def _decide(self, optimizer, cfg) -> Optional[Session]:
+    def _decide(self, optimizer, cfg, loads_optimizer: Optional[bool] = None) -> Optional[Session]:
         if optimizer is None:
             return None
         known, session = self.registry.lookup(optimizer)
@@ -116,6 +121,8 @@ class CallSites:
             agree.agree(problem, "optimizer-state offload")
         self.registry.add(optimizer, session)
         if session is not None:
+            if loads_optimizer is not None:
+                session.adapter.before_load(loads_optimizer)
             session.prepare()
         return session
 

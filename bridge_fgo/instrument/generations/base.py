@@ -45,6 +45,10 @@ class Adapter:
     def synchronize(self) -> None:
         """Every copy in flight has finished."""
 
+    def before_load(self, loads_optimizer: bool) -> None:
+        """A checkpoint load is about to run, before prepare(); `loads_optimizer`: it loads optimizer
+        state (False: the model only, e.g. finetuning)."""
+
     def after_load(self) -> None:
         """A checkpoint load has run (prepare() ran before it): states it replaced go where they live."""
 
