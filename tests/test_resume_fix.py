@@ -38,9 +38,10 @@ def init_state_fn(opt, config=None):
                 opt.state[p]["exp_avg_sq"] = torch.zeros_like(p.data)
 
 
-def optimizer():
-    opt = make()
-    opt.init_state_fn, opt.grad_scaler, opt.config.fp16 = init_state_fn, None, False
+def optimizer(**kw):
+    """The harness's optimizer (torch AdamW unless `kw` says otherwise) with what a load reads."""
+    opt = make(**kw)
+    opt.init_state_fn, opt.grad_scaler, opt.config.fp16, opt.config.optimizer = init_state_fn, None, False, "adam"
     # load_state_dict pairs saved and current groups by these keys, which Megatron-Core's own param
     # groups always carry; releases before 0.19 raise on a missing one
     defaults = {"wd_mult": 1.0, "lr_mult": 1.0, "is_expert_parallel": False, "is_decoupled_lr": False}

@@ -44,22 +44,7 @@ def megatron_core_for(monkeypatch):
 
 
 def fresh(case):
-    opt = optimizer() if case == "torch" else make(**CASES[case])
-    if case != "torch":
-        from megatron.core.optimizer.optimizer import param_group_identifier_keys
-        import types
-
-        defaults = {"wd_mult": 1.0, "lr_mult": 1.0, "is_expert_parallel": False, "is_decoupled_lr": False}
-        for group in opt.optimizer.param_groups:
-            for key in param_group_identifier_keys:
-                group.setdefault(key, defaults.get(key))
-        opt.grad_scaler, opt.config.fp16, opt.config.optimizer = None, False, "adam"
-        opt.data_parallel_group = types.SimpleNamespace(rank=lambda: 0, size=lambda: 1)
-        opt.data_parallel_group_idx = opt.distributed_optimizer_instance_id = 0
-        for buffer in opt.buffers:
-            for bucket in buffer.buckets:
-                bucket.numel_unpadded, bucket.grad_data = bucket.param_data.numel(), buffer.grad_data
-    return opt
+    return optimizer(**({} if case == "torch" else CASES[case]))
 
 
 def sharded_tensors(tree):
