@@ -50,7 +50,8 @@ READERS = ("state_dict", "load_state_dict", "sharded_state_dict", "save_paramete
            "load_parameter_state_from_dp_zero", "load_parameter_state_from_fs_bucket_space",
            "reload_model_params", "_copy_model_params_to_main_params", "offload_to_cpu", "restore_from_cpu",
            "get_parameters")
-# Of those, what saves and what loads a checkpoint (sharded_state_dict: by its is_loading), for torn states
+# Of those, what saves and what loads a checkpoint, for torn states. sharded_state_dict saves, or with
+# is_loading builds what a load fills; Bridge's load then always calls load_state_dict
 SAVES = ("state_dict", "save_parameter_state", "get_parameter_state_dp_reshardable", "get_parameter_state_dp_zero",
          "get_parameter_state_fs_bucket_space")
 LOADS = ("load_state_dict", "load_parameter_state", "load_parameter_state_from_dp_reshardable",
@@ -344,7 +345,7 @@ class StreamedEngine:
                 p.bundles and p.index not in self._done for p in self.parts):
             # the step stopped between the optimizers of a chain (outside their updates): some stepped
             self._where = "between the optimizers of the chain"
-            self.torn = self._failure(None)
+            self.torn = self._failure()
             logger.error("%s%s. %s", rank_prefix(), self.torn, TORN_FIX)
         loose = list(self._away())
         if loose:  # a skipped step (masters on their shells) or a failed one
@@ -374,9 +375,9 @@ class StreamedEngine:
             except BaseException as exc:
                 if self.tail is None or self.torn is not None:
                     raise
-                # the last update's device-to-host copies did not all land: the host copy is part new, part old
-                self._where = "its device-to-host copies"
-                self._raise_torn(exc)
+                self._raise_torn(exc, (
+                    f"waiting for the last update's device-to-host copies failed ({type(exc).__name__}: {exc}), so "
+                    "the optimizer states are torn: their host copy is part of that step, part of the one before"))
         self.tail = None
         self._drop_guards()
 
@@ -458,6 +459,11 @@ class StreamedEngine:
         inner = part.inner
         if not self.armed:
             return type(inner).step(inner, *args, **kwargs)
+        if update.has_step_hooks(inner):  # they see the states as between steps: on the host, whole
+            self.synchronize()
+            for p, b, e, _ in list(self._away()):
+                if p is part:
+                    b.set(e, e.host)  # a master off its storage-less GPU tensor; its chunk binds it again
         return update.hooked_once(inner, functools.partial(self._update, part), *args, **kwargs)
 
     def _update(self, part: _Part, inner, *args, **kwargs):
@@ -473,6 +479,8 @@ class StreamedEngine:
         self._stepped = True
         if part.chunks and part.chunks[-1].index == len(self.chunks) - 1:
             self.window.close()  # the chain's last chunk is through: the memory goes back now
+        if update.has_step_hooks(inner):
+            self.synchronize()  # post hooks read the states the update just wrote
         return None
 
     def _passes(self, part: _Part, inner) -> None:
@@ -480,7 +488,7 @@ class StreamedEngine:
         chain = f" of optimizer {part.index} of the chain" if len(self.parts) > 1 else ""
         resident = part.resident_params_by_group()
         if resident:  # overlaps the host-to-device copies already in flight
-            self._where = f"the pass over the parameters kept on the GPU (gpu_budget_gib){chain}"
+            self._where = f"in the pass over the parameters kept on the GPU (gpu_budget_gib){chain}"
             self._begin(part, resident)
             update.step_subset(inner, state, resident)
             masters = [p for ps in resident.values() for p in ps if id(p) in part.model_of]
@@ -489,7 +497,7 @@ class StreamedEngine:
                 self._copied_masters.add(part.index)
         b = part.bindings
         for chunk in part.chunks:
-            self._where = f"chunk {chunk.index + 1} of {len(self.chunks)}{chain}"
+            self._where = f"in chunk {chunk.index + 1} of {len(self.chunks)}{chain}"
             self._h2d(chunk.index)
             self._h2d(chunk.index + 1)  # the next chunk of the chain, the next optimizer's too
             slot = self.window.slots[chunk.index % 2]
@@ -529,18 +537,18 @@ class StreamedEngine:
         model = part.model_of.get(id(param))
         return tuple((model[1] if model is not None else param).shape)
 
-    def _failure(self, exc: Optional[BaseException]) -> str:
+    def _failure(self, exc: Optional[BaseException] = None) -> str:
         shapes = ", ".join(str(self._shape(part, p)) for part, p in self._updated[:3])
         more = ", ..." if len(self._updated) > 3 else ""
         cause = f" ({type(exc).__name__}: {exc})" if exc is not None else ""
-        return (f"the optimizer step failed in {self._where}{cause} after it had begun updating "
+        return (f"the optimizer step failed {self._where}{cause} after it had begun updating "
                 f"{len(self._updated)} parameter(s) (shapes {shapes}{more}), so the optimizer states and "
                 "model weights are torn: part of them are at the next step, the rest at this one")
 
-    def _raise_torn(self, exc: BaseException):
+    def _raise_torn(self, exc: BaseException, torn: Optional[str] = None):
         """Mark the states torn and raise: BridgeFGOError from `exc`; a BaseException that is not an
         Exception (KeyboardInterrupt, an in-process restart's RankShouldRestart) passes on as it is."""
-        self.torn = self._failure(exc)
+        self.torn = torn or self._failure(exc)
         if not self.armed:
             self._guard_readers()  # else settle() does, once the update's hooks are gone
         if isinstance(exc, Exception):
@@ -619,10 +627,11 @@ class StreamedEngine:
             out = method(opt, *args, **kwargs)
         finally:
             self._loading = False
-        self.torn = None
-        self.guards.restore()
-        logger.info("%s%s.%s() loaded a checkpoint: the optimizer states are whole again", rank_prefix(),
-                    type(opt).__name__, name)
+        if name in LOADS:  # sharded_state_dict(is_loading=True) only builds what the load then fills
+            self.torn = None
+            self.guards.restore()
+            logger.info("%s%s.%s() loaded a checkpoint: the optimizer states are whole again", rank_prefix(),
+                        type(opt).__name__, name)
         return out
 
     def _torn_step(self, *args, **kwargs):

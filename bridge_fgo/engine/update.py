@@ -81,6 +81,18 @@ class GroupState:
         self.after = {}
 
 
+_HOOK_CODE = None
+
+
+def has_step_hooks(inner) -> bool:
+    """Whether torch's step hooks will see this optimizer's step: its own or global, pre or post."""
+    from torch.optim import optimizer as torch_optimizer
+
+    return bool(getattr(inner, "_optimizer_step_pre_hooks", None) or getattr(inner, "_optimizer_step_post_hooks", None)
+                or getattr(torch_optimizer, "_global_optimizer_pre_hooks", None)
+                or getattr(torch_optimizer, "_global_optimizer_post_hooks", None))
+
+
 def _torch_hooked(step) -> bool:
     """Whether `step` is torch's wrapper (Optimizer.profile_hook_step, put on every optimizer class by
     Optimizer._patch_step_function): it fires the step hooks and the profiler's step marker, then calls
@@ -92,9 +104,6 @@ def _torch_hooked(step) -> bool:
 
         _HOOK_CODE = torch.optim.Optimizer.profile_hook_step(lambda *a, **k: None).__code__
     return getattr(step, "__code__", None) is _HOOK_CODE and callable(getattr(step, "__wrapped__", None))
-
-
-_HOOK_CODE = None
 
 
 def hooked_once(inner, body, *args, **kwargs):
