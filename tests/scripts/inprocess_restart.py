@@ -13,8 +13,11 @@ config binding and a new optimizer (Megatron-Core's real DistributedOptimizer, h
 last checkpoint through Megatron-Core's sharded_state_dict / load_state_dict (scripts/resume_fix.py
 for torch AdamW), then trains through bridge_fgo's wrapper of train() around Bridge's real
 train_step, saving a checkpoint after iteration 2. The first attempt faults in iteration 3: in
-forward-backward (argv[1] == "backward") or inside the streamed optimizer step ("step": the states
-are then torn). The second attempt starts from the checkpoint and trains to iteration 5.
+forward-backward (argv[1] == "backward"), inside the streamed optimizer step ("step": the states are
+then torn), or on another rank while this one is inside the optimizer step ("peer": the interruption
+recorded in the wrapper's store as a peer's wrapper records it; this rank's monitor thread then
+raises RankShouldRestart asynchronously in the main thread, inside a pass). The second attempt
+starts from the checkpoint and trains to iteration 5.
 
 Printed: what the restarted attempt found when it started (pinned bytes, sessions, whether the failed
 attempt's optimizer and engine are gone, the targets wrapped once, the finalize function), the
@@ -30,6 +33,7 @@ import os
 import socket
 import sys
 import threading
+import time
 import weakref
 from unittest import mock
 
@@ -121,6 +125,19 @@ def failing_pass(*args, **kwargs):
     raise RuntimeError("fault in iteration 3, inside the optimizer step")
 
 
+def peer_fault_pass(*args, **kwargs):
+    """Another rank faulted: its wrapper records the interruption in the store, and this rank's
+    monitor thread raises RankShouldRestart in the main thread, wherever it is: here, inside a pass."""
+    from nvidia_resiliency_ext.inprocess.attribution import Interruption, InterruptionRecord
+
+    (monitor,) = [t for t in threading.enumerate() if type(t).__name__ == "MonitorThread"]
+    monitor.store.record_interrupted([InterruptionRecord(0, Interruption.EXCEPTION)])
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        time.sleep(0.01)
+    raise SystemExit("no RankShouldRestart arrived")
+
+
 def train(rig, start, fault, seen=None):
     """bridge_fgo's wrapper of Bridge's train() around a loop of Bridge's real train_step; `seen`: what
     this run holds while it trains."""
@@ -130,8 +147,8 @@ def train(rig, start, fault, seen=None):
         for it in range(start + 1, ITERATIONS + 1):
             if it == FAULT_AT and fault == "backward":
                 rig.forward_backward_func = harness.forward_backward_func(rig.events, RuntimeError("fault in iteration 3"))
-            with (mock.patch.object(update, "step_subset", failing_pass) if it == FAULT_AT and fault == "step"
-                  else contextlib.nullcontext()):
+            injected = {"step": failing_pass, "peer": peer_fault_pass}.get(fault) if it == FAULT_AT else None
+            with mock.patch.object(update, "step_subset", injected) if injected else contextlib.nullcontext():
                 harness.run_steps(rig, steps=1)
             if it == start + 1 and seen is not None:
                 _, session = patcher._current.callsites.registry.lookup(rig.optimizer)
@@ -212,5 +229,6 @@ uninterrupted = json_snapshot(rig.dist_optimizer)
 print("RESULT " + json.dumps({
     "attempts": attempts, "fresh": fresh, "uninterrupted": uninterrupted, "checkpoints": [c[0] for c in checkpoints],
     "offload_active_lines": sum("offload active" in m for m in records),
+    "torn_error_lines": [m for m in records if "are torn" in m and "last checkpoint" in m],
     "ready_lines": sum("builtin engine ready" in m for m in records),
 }), flush=True)
