@@ -159,9 +159,9 @@ class CallSites:
         finally:
             # the training is over: nothing it pinned or wrapped outlives it
             try:
+                self._uninstall_finalize(config)
                 if session.end_training():
                     self.registry.remove(optimizer)
-                self._uninstall_finalize(config)
                 session.summary(strict=self.options.strict and ok)
             except Exception:
                 if ok:
