@@ -11,9 +11,11 @@ device-to-host copy after it, a step hook, the wait for the tail, a guarded read
 import copy
 import logging
 import os
+from unittest import mock
 
 import pytest
 import torch
+from megatron.core.optimizer import distrib_optimizer
 
 import bridge_fgo
 from bridge_fgo.engine import update
@@ -72,7 +74,8 @@ def saves(opt, tmp_path):
 def assert_torn_and_refused(opt, engine, tmp_path):
     assert engine.torn
     for name, call in saves(opt, tmp_path):
-        with pytest.raises(bridge_fgo.BridgeFGOError, match=f"{name}\\(\\), a checkpoint save .* refused: .*torn.*last checkpoint"):
+        with pytest.raises(bridge_fgo.BridgeFGOError,
+                           match=f"{name}\\(\\), a checkpoint save .* refused: .*torn.*last checkpoint"):
             call()
     assert not os.listdir(tmp_path)  # nothing was written
     with pytest.raises(bridge_fgo.BridgeFGOError, match="an optimizer step refused: .*torn.*last checkpoint"):
@@ -84,53 +87,40 @@ def assert_torn_and_refused(opt, engine, tmp_path):
 
 
 def injected(where, index, engine):
-    """A context manager injecting Boom at `where` of pass/chunk `index`:
+    """A context manager injecting Boom at `where` of pass (in, in-after) or chunk (before, after) `index`:
     before: the compute stream's wait for the chunk's host-to-device copy (no pass of it began);
     in: inside the pass, before the optimizer's step runs; in-after: inside it, after the step ran
     (the window holds the chunk's new values); after: the chunk's device-to-host copy."""
     calls = {"n": 0}
-    if where in ("in", "in-after"):
-        def fail(inner, groups):
-            calls["n"] += 1
-            if calls["n"] == index + 1 and where == "in":
-                raise Boom("injected in a pass")
+    real_pass, real_wait, real_copy = update.step_subset, engine.copies.compute_wait, engine.copies.copy
 
-        real = update.step_subset
+    def nth() -> bool:
+        calls["n"] += 1
+        return calls["n"] == index + 1
 
-        def spy(inner, state, params_by_group):
-            calls["n"] += 1
-            real(inner, state, params_by_group)
-            if calls["n"] == index + 1:
-                raise Boom("injected in a pass, after its step")
+    def one_pass(inner, state, params_by_group):
+        hit = nth()
+        if hit and where == "in":
+            raise Boom("injected in a pass")
+        real_pass(inner, state, params_by_group)
+        if hit and where == "in-after":
+            raise Boom("injected in a pass, after its step")
 
-        if where == "in":
-            return on_each_pass(fail)
-        return _patched(update, "step_subset", spy)
-    copies = engine.copies
-    if where == "before":
-        real_wait = copies.compute_wait
+    def wait(ev):
+        if nth():
+            raise Boom("injected in a chunk's copy wait")
+        return real_wait(ev)
 
-        def wait(ev):
-            calls["n"] += 1
-            if calls["n"] == index + 1:
-                raise Boom("injected in a chunk's copy wait")
-            return real_wait(ev)
-
-        return _patched(copies, "compute_wait", wait)
-    real_copy = copies.copy
-
-    def d2h(direction, dst, src, after=()):
+    def copy_(direction, dst, src, after=()):
         if engine.armed and direction == "d2h" and engine._where.startswith(f"in chunk {index + 1} of "):
             raise Boom("injected in a chunk's device-to-host copy")
         return real_copy(direction, dst, src, after)
 
-    return _patched(copies, "copy", d2h)
-
-
-def _patched(obj, name, value):
-    from unittest import mock
-
-    return mock.patch.object(obj, name, value)
+    if where in ("in", "in-after"):
+        return mock.patch.object(update, "step_subset", one_pass)
+    if where == "before":
+        return mock.patch.object(engine.copies, "compute_wait", wait)
+    return mock.patch.object(engine.copies, "copy", copy_)
 
 
 @pytest.mark.parametrize("budget", [None, "half"], ids=["all-streamed", "resident-pass"])
@@ -148,37 +138,37 @@ def test_a_failure_at_every_chunk_and_in_the_resident_pass(kind, budget, tmp_pat
         cases += [("in", j), ("in-after", j)]
     untouched_seen = 0
     for where, index in cases:
-        _, opt, engine = setup(kind, budget)
+        base, opt, engine = setup(kind, budget)
         before = snapshot(opt)
-        buffer_before = opt.buffers[0].param_data.clone()
-        injection = injected(where, index, engine)
-        with injection, pytest.raises(Exception) as err:
+        weights_before = opt.buffers[0].param_data.clone()
+        chunk = engine.chunks[index] if index < n_chunks else None
+        host_before = {id(e): e.host.clone() for bd in chunk.bundles for e in bd.entries} if chunk else {}
+        with injected(where, index, engine), pytest.raises(Exception) as err:
             step(opt, engine)
         case = f"{kind} {where} {index}"
-        untouched = where == "before" and index == 0 and not resident
-        if untouched:
-            assert type(err.value) is Boom, case  # the original exception, as it was
-            assert engine.torn is None, case
+        if where == "before" and index == 0 and not resident:  # no pass began
+            assert type(err.value) is Boom and engine.torn is None, case  # the original exception, as it was
             assert_same(before, snapshot(opt))
             assert_whole_on_host(engine)
+            opt._gen -= 1  # the harness made the failed step's gradients: the retry makes them again
+            step(base)
+            step(opt, engine)
+            assert_same(snapshot(base), snapshot(opt))
             untouched_seen += 1
             continue
         assert isinstance(err.value, bridge_fgo.BridgeFGOError) and isinstance(err.value.__cause__, Boom), case
-        pass_name = ("the pass over the parameters kept on the GPU" if where in ("in", "in-after") and resident
-                     and index == 0 else
-                     f"chunk {index + 1 - (resident and where in ('in', 'in-after'))} of {n_chunks}")
-        assert f"failed in {pass_name}" in str(err.value), (case, str(err.value))
-        assert "resume from the last checkpoint" in str(err.value)
-        assert "parameter(s) (shapes (" in str(err.value)
+        counts_resident = resident and where in ("in", "in-after")  # passes: the resident one first
+        where_named = ("the pass over the parameters kept on the GPU" if counts_resident and index == 0
+                       else f"chunk {index + 1 - counts_resident} of {n_chunks}")
+        assert f"failed in {where_named}" in str(err.value), (case, str(err.value))
+        assert "parameter(s) (shapes (" in str(err.value) and "resume from the last checkpoint" in str(err.value)
         if where == "in-after" and not resident:
-            # the failed chunk's new values stayed in the window: its host copy holds the old ones
-            chunk = engine.chunks[index]
-            b = engine.parts[0].bindings
-            for bundle in chunk.bundles:
-                for e in bundle.entries:
-                    assert torch.equal(b.get(e), e.host)
+            # the chunk's new values stayed in the window: its host copy holds the values from before
+            for bd in chunk.bundles:
+                for e in bd.entries:
+                    assert torch.equal(e.host, host_before[id(e)]), (case, e.name)
             if index:  # the chunks before it wrote their model weights: torn indeed
-                assert not torch.equal(buffer_before, opt.buffers[0].param_data)
+                assert not torch.equal(weights_before, opt.buffers[0].param_data)
         assert_torn_and_refused(opt, engine, tmp_path)
     assert len(cases) == 2 * (n_chunks + n_passes) and untouched_seen == (not resident)
 
@@ -203,8 +193,8 @@ def test_a_failing_step_pre_hook_changes_nothing_and_the_retry_is_exact(kind):
     assert_same(snapshot(base), snapshot(opt))
 
 
-@pytest.mark.parametrize("kind", ["torch", "te", "apex", "te-precision-aware"])
-def test_a_checkpoint_load_clears_the_mark_and_training_goes_on_exactly(kind, tmp_path):
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_checkpoint_load_clears_the_mark_and_training_goes_on_exactly(kind):
     """Megatron-Core's own dp_reshardable load (Bridge's default format), with the model weights
     loaded back as Bridge loads them: the retried step equals the uninterrupted run."""
     base, opt, engine = setup(kind, None)
@@ -225,8 +215,7 @@ def test_a_checkpoint_load_clears_the_mark_and_training_goes_on_exactly(kind, tm
         assert_same(snapshot(base), snapshot(opt))
 
 
-@pytest.mark.skipif(__import__("megatron.core.optimizer.distrib_optimizer", fromlist=["x"]).HAVE_APEX_OR_TE,
-                    reason="scripts/resume_fix.py serves torch AdamW only")
+@pytest.mark.skipif(distrib_optimizer.HAVE_APEX_OR_TE, reason="scripts/resume_fix.py serves torch AdamW only")
 def test_bridges_load_sequence_clears_the_mark_and_its_nested_reads_pass():
     """sharded_state_dict(is_loading=True) calls state_dict() and load_state_dict() itself: inside a
     load those pass; the load clears the mark when it returns. (test_resume_fix's Bridge sequence;
@@ -301,8 +290,6 @@ def tail_in_flight(kind="torch"):
 
 def failing_copies(engine, after=1):
     """The `after`-th copy the queue runs fails (a CUDA error surfacing in the wait)."""
-    from unittest import mock
-
     real = type(engine.copies)._run
     runs = {"n": 0}
 
@@ -390,8 +377,6 @@ def test_a_failure_between_the_optimizers_of_a_chain_tears_the_states(caplog, tm
     experts.per_bucket_numel = experts.per_bucket_numel_unpadded = [{}]
     r.optimizer.chained_optimizers.append(experts)
     harness.run_steps(r, steps=2)
-    from unittest import mock
-
     real = update.copy_rest
 
     def copy_rest(opt, *a, **k):
