@@ -49,7 +49,8 @@ class Hooks:
                          ids=["chunk-per-param", "some-chunks", "one-chunk", "resident-pass"])
 def test_hooks_fire_once_per_step_and_see_whole_states(kind, chunk_bytes, budget):
     base, opt = make(**OPTIMIZERS[kind]), make(**OPTIMIZERS[kind])
-    engine = engine_for(opt, chunk_bytes, None if budget is None else engine_for(make(**OPTIMIZERS[kind]), 1).bytes // 2)
+    half = engine_for(make(**OPTIMIZERS[kind]), 1).bytes // 2
+    engine = engine_for(opt, chunk_bytes, None if budget is None else half)
     on_base, on_opt = Hooks(base.optimizer), Hooks(opt.optimizer)
     try:
         for _ in range(3):

@@ -523,7 +523,7 @@ class StreamedEngine:
                 if not e.dropped and b.get(e) is not None:
                     b.set(e, e.host)
             self._check_unplanned(part, b, chunk)
-        self._where = f"writing back the param groups' values after the last chunk{chain}"
+        self._where = f"while writing back the param groups' values after the last chunk{chain}"
         state.commit()
 
     # -- a failure in the middle of an update ------------------------------------------------------

@@ -146,7 +146,8 @@ def train(rig, start, fault, seen=None):
     def iterations(*a, **k):
         for it in range(start + 1, ITERATIONS + 1):
             if it == FAULT_AT and fault == "backward":
-                rig.forward_backward_func = harness.forward_backward_func(rig.events, RuntimeError("fault in iteration 3"))
+                fault_in_backward = RuntimeError("fault in iteration 3")
+                rig.forward_backward_func = harness.forward_backward_func(rig.events, fault_in_backward)
             injected = {"step": failing_pass, "peer": peer_fault_pass}.get(fault) if it == FAULT_AT else None
             with mock.patch.object(update, "step_subset", injected) if injected else contextlib.nullcontext():
                 harness.run_steps(rig, steps=1)

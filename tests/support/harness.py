@@ -100,7 +100,7 @@ def make_distributed_optimizer(events: Recorder, with_tensors: bool = False, see
                         p.grad = g.to(p.dtype)
             self._gen += 1
             if "step" not in vars(self.optimizer):  # no streamed update armed (its passes: checked_passes)
-                _no_released_storage(self.optimizer, {gi: g["params"] for gi, g in enumerate(self.optimizer.param_groups)})
+                _no_released_storage(self.optimizer, dict(enumerate(g["params"] for g in self.optimizer.param_groups)))
             return self.step_with_ready_grads()
 
     opt = StandInDistributedOptimizer()
