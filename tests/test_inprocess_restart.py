@@ -42,7 +42,7 @@ def test_in_process_restart_after_a_fault_in_iteration_3_resumes_as_a_fresh_run(
     assert restarted["sessions"] == 0 and restarted["finalizers_held"] == 0
     assert restarted["failed_optimizer_alive"] is False and restarted["failed_engine_alive"] is False
     assert restarted["targets_wrapped_once"] and restarted["finalize_wrapped_once"]
-    assert restarted["finalize_func"] == "None"  # Bridge's reset_for_restart cleared it; setup binds anew
+    assert restarted["finalize_is_ours"] is False  # put back when the failed train() ended
     # what it held while training: its own buffer, once
     assert restarted["pinned_during"] == restarted["engine_pinned_bytes"] > 0 and restarted["live_buffers_during"] == 1
     assert restarted["pinned_after"] == 0

@@ -59,6 +59,7 @@ import bridge_fgo  # noqa: E402
 from bridge_fgo import hostmem  # noqa: E402
 from bridge_fgo.engine import update  # noqa: E402
 from bridge_fgo.instrument import patcher, targets  # noqa: E402
+from bridge_fgo.instrument.callsites import ReloadingFinalize  # noqa: E402
 
 records = []
 logging.getLogger("bridge_fgo").addHandler(type("Keep", (logging.Handler,), {"emit": lambda self, r: records.append(
@@ -153,8 +154,11 @@ def train(rig, start, fault, seen=None):
                 harness.run_steps(rig, steps=1)
             if it == start + 1 and seen is not None:
                 _, session = patcher._current.callsites.registry.lookup(rig.optimizer)
+                func = rig.model_config.finalize_model_grads_func
                 seen.update(pinned_during=hostmem.pinned_bytes(), live_buffers_during=hostmem.live_buffers(),
-                                    engine_pinned_bytes=session.adapter.engine.pinned_bytes)
+                            engine_pinned_bytes=session.adapter.engine.pinned_bytes,
+                            finalize_wrapped_once=isinstance(func, ReloadingFinalize)
+                            and not isinstance(func.__wrapped__, ReloadingFinalize))
             if it == SAVE_AT:
                 checkpoints.append(save(rig, it))
 
@@ -180,7 +184,7 @@ def _pretrain(state, forward_step_func, callback_manager=None, store=None, inpro
     gc.collect()
     seen = {"pinned_bytes": hostmem.pinned_bytes(), "live_buffers": hostmem.live_buffers(),
             "sessions": len(patcher._current.callsites.registry), "targets_wrapped_once": wrapped_targets_once(),
-            "finalize_func": repr(model_config.finalize_model_grads_func),
+            "finalize_is_ours": isinstance(model_config.finalize_model_grads_func, ReloadingFinalize),
             "finalizers_held": len(patcher._current.callsites.finalizers)}
     if failed:
         seen["failed_optimizer_alive"] = failed["optimizer"]() is not None
@@ -200,13 +204,7 @@ def _pretrain(state, forward_step_func, callback_manager=None, store=None, inpro
         raise SystemExit("the first attempt did not fault")
     train(rig, start, None, seen)
     seen.update(pinned_after=hostmem.pinned_bytes(), result=json_snapshot(rig.dist_optimizer),
-                resumed_from=start, finalize_wrapped_once=_wrapped_once(model_config.finalize_model_grads_func))
-
-
-def _wrapped_once(func):
-    from bridge_fgo.instrument.callsites import ReloadingFinalize
-
-    return func is None or not (isinstance(func, ReloadingFinalize) and isinstance(func.__wrapped__, ReloadingFinalize))
+                resumed_from=start)
 
 
 config = InProcessRestartConfig(enabled=True, granularity="rank", soft_timeout=20, hard_timeout=30,
