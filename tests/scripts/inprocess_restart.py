@@ -207,8 +207,8 @@ def _pretrain(state, forward_step_func, callback_manager=None, store=None, inpro
                 resumed_from=start)
 
 
-config = InProcessRestartConfig(enabled=True, granularity="rank", soft_timeout=20, hard_timeout=30,
-                                heartbeat_interval=2, heartbeat_timeout=15, barrier_timeout=60,
+config = InProcessRestartConfig(enabled=True, granularity="rank", active_world_size=1, soft_timeout=20,
+                                hard_timeout=30, heartbeat_interval=2, heartbeat_timeout=15, barrier_timeout=60,
                                 completion_timeout=60, monitor_process_interval=1, last_call_wait=1)
 wrapped, store = bridge_inprocess.maybe_wrap_for_inprocess_restart(_pretrain, config, global_state)
 wrapped(global_state, None, None, store=store)
