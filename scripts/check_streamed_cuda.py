@@ -71,6 +71,7 @@ def main():
                ("one-window", 0)]
     results, ok = [], True
     only = set(args.only.split(",")) if args.only else None
+    harness.checked_passes().__enter__()  # for the whole run: every pass reads only whole storage
     for name, kw in cases(torch, args.device):
         if only and name not in only:
             continue

@@ -43,6 +43,15 @@ def _clean_patch(monkeypatch):
     bridge_fgo.unpatch()
 
 
+@pytest.fixture(autouse=True)
+def _checked_passes():
+    """Every pass of a streamed update reads only whole storage (support/harness.py)."""
+    from support import harness
+
+    with harness.checked_passes():
+        yield
+
+
 @pytest.fixture
 def train_module():
     import megatron.bridge.training.train as train_module

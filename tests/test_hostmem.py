@@ -23,6 +23,7 @@ V1_UNLIMITED = "9223372036854771712"
 @pytest.fixture(autouse=True)
 def _fresh_once():
     fgo_log.reset_once()
+    gc.collect()  # buffers earlier tests left in reference cycles (a traceback holding an engine) go now, not mid-test
     yield
     fgo_log.reset_once()
 

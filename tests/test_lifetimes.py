@@ -173,14 +173,15 @@ def test_a_chain_shares_one_window_and_stays_exact():
     bridge_fgo.patch(offload="builtin", chunk_mb=1)
     r, experts = chained()
     arenas = []
-    for opt in (r.dist_optimizer, experts):
-        opt.optimizer.register_step_pre_hook(lambda o, a, k: arenas.append(engine().window.arena.data_ptr()))
 
     def engine():
         (session,) = callsites().registry.sessions()
         return session.adapter.engine
 
-    harness.run_steps(r, steps=3)
+    from test_streamed import on_each_pass
+
+    with on_each_pass(lambda inner, groups: arenas.append(engine().window.arena.data_ptr())):
+        harness.run_steps(r, steps=3)
     bridge_fgo.synchronize()
     e = engine()
     assert len(e.parts) == 2 and all(p.chunks for p in e.parts)

@@ -8,14 +8,16 @@ step_with_ready_grads (the inner step, then _copy_main_params_to_model_params in
 On CPU the engine's copies are deferred until something waits for them (engine/copies.py), so a wait
 the engine forgets shows here as stale data.
 """
+import contextlib
 import logging
 import types
+from unittest import mock
 
 import pytest
 import torch
 
 import bridge_fgo
-from bridge_fgo.engine import contracts
+from bridge_fgo.engine import contracts, update
 from bridge_fgo.engine.streamed import StreamedEngine
 from bridge_fgo.engine.tensors import same
 from bridge_fgo.instrument import refusals
@@ -64,6 +66,21 @@ def step(opt, engine=None, wait=True):
             engine.settle()
             if wait:
                 engine.synchronize()
+
+
+@contextlib.contextmanager
+def on_each_pass(record):
+    """record(inner, groups) as each pass of a streamed update begins (a chunk, or the resident
+    parameters), with the param groups the pass steps. torch's step hooks fire once per step, around
+    all the passes, so they cannot see them."""
+    real = update.step_subset
+
+    def spy(inner, state, params_by_group):
+        record(inner, state.groups(params_by_group))
+        return real(inner, state, params_by_group)
+
+    with mock.patch.object(update, "step_subset", spy):
+        yield
 
 
 def params(opt):
@@ -172,13 +189,13 @@ def test_every_param_group_keeps_its_index_in_every_pass():
     engine = engine_for(opt, 1)
     seen = []
 
-    def record(optimizer, args, kwargs):
-        seen.append([len(g["params"]) for g in optimizer.param_groups])
+    def record(optimizer, groups):
+        seen.append([len(g["params"]) for g in groups])
         # apex pairs param_groups with param_groups_master by position
-        assert len(optimizer.param_groups) == len(optimizer.param_groups_master)
+        assert len(groups) == len(optimizer.param_groups_master)
 
-    opt.optimizer.register_step_pre_hook(record)
-    step(opt, engine)
+    with on_each_pass(record):
+        step(opt, engine)
     assert seen and all(len(s) == 3 for s in seen)
     assert all(sum(s) == 1 for s in seen)  # one parameter per pass; the other groups empty, in place
 
@@ -188,8 +205,8 @@ def test_window_bound_and_parameters_never_split():
     engine = engine_for(opt, 2000)
     seen = []
 
-    def record(optimizer, args, kwargs):
-        ps = [p for g in optimizer.param_groups for p in g["params"]]
+    def record(optimizer, groups):
+        ps = [p for g in groups for p in g["params"]]
         seen.append([id(p) for p in ps])
         # everything this update reads that moves is inside the window, nothing else
         lo = engine.window.arena.data_ptr()
@@ -199,9 +216,9 @@ def test_window_bound_and_parameters_never_split():
                 if t is not None:
                     assert lo <= t.data_ptr() and t.data_ptr() + e.nbytes <= lo + engine.window_bytes
 
-    opt.optimizer.register_step_pre_hook(record)
-    for _ in range(3):
-        step(opt, engine)
+    with on_each_pass(record):
+        for _ in range(3):
+            step(opt, engine)
     assert len(engine.chunks) > 1
     sizes = [c.nbytes for c in engine.chunks]
     bundles = [b.nbytes for part in engine.parts for b in part.bundles]
@@ -317,25 +334,26 @@ def test_skipped_step_and_rerun_leave_states_untouched_and_whole():
 
 @pytest.mark.parametrize("fail_at", [0, 2, 5])  # the first, a middle and the last of six chunks
 def test_exception_inside_a_chunk_leaves_whole_storage_and_no_hooks(fail_at):
+    """A pass that began may have written: the states are torn (tests/test_failures.py has the rest)."""
     opt = make()
     engine = engine_for(opt, 1)
     assert len(engine.chunks) == 6
     step(opt, engine)
     calls = {"n": 0}
 
-    def boom(optimizer, args, kwargs):
+    def boom(optimizer, groups):
         calls["n"] += 1
         if calls["n"] == fail_at + 1:
             raise RuntimeError("simulated failure in the update")
 
-    handle = opt.optimizer.register_step_pre_hook(boom)
-    with pytest.raises(RuntimeError, match="simulated"):
+    with on_each_pass(boom), pytest.raises(bridge_fgo.BridgeFGOError, match=f"chunk {fail_at + 1} of 6") as err:
         step(opt, engine)
-    handle.remove()
+    assert isinstance(err.value.__cause__, RuntimeError) and engine.torn
     assert_whole_on_host(engine)
-    assert "step" not in opt.optimizer.__dict__ and "_copy_main_params_to_model_params" not in opt.__dict__
+    assert "_copy_main_params_to_model_params" not in opt.__dict__
     assert all(len(g["params"]) for g in opt.optimizer.param_groups) and len(params(opt)) == len(SHAPES) + 1
-    step(opt, engine)  # training can go on (a restarted iteration)
+    with pytest.raises(bridge_fgo.BridgeFGOError, match="optimizer step refused"):
+        step(opt, engine)  # never stepped again while torn
 
 
 @pytest.mark.parametrize("kind", ["torch-foreach-default", "te-precision-aware-bf16"])
@@ -499,11 +517,11 @@ def test_train_step_window_bound_and_reporting(caplog_fgo):
     r = rig()
     sizes = []
 
-    def record(optimizer, args, kwargs):
-        sizes.append(sum(p.numel() * p.element_size() * 3 for g in optimizer.param_groups for p in g["params"]))
+    def record(optimizer, groups):
+        sizes.append(sum(p.numel() * p.element_size() * 3 for g in groups for p in g["params"]))
 
-    r.dist_optimizer.optimizer.register_step_pre_hook(record)
-    harness.run_steps(r, steps=3)
+    with on_each_pass(record):
+        harness.run_steps(r, steps=3)
     session, engine = engine_of()
     assert len(sizes) == 3 * len(engine.chunks)  # one chunk at a time
     assert max(a + b for a, b in zip(sizes, sizes[1:])) <= engine.window_bytes

@@ -124,7 +124,7 @@ class BuiltinAdapter:
         if self.chunk_mb:
             exposed = e.copies.exposed_s if e.copies is not None else []
             out.update(chunks=len(e.chunks), step_peak_bytes=e.window_bytes, master_bytes=e.master_bytes,
-                       resident_bytes=e.resident_bytes, budget=e.budget_note,
+                       resident_bytes=e.resident_bytes, budget=e.budget_note, torn=e.torn,
                        exposed_copy_wait_s=sorted(exposed)[len(exposed) // 2] if exposed else None)
         return out
 

@@ -30,6 +30,7 @@ The engine holds its optimizers through weak references: it never keeps one aliv
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import weakref
 from typing import Dict, List, Optional
@@ -50,6 +51,24 @@ READERS = ("state_dict", "load_state_dict", "sharded_state_dict", "save_paramete
            "load_parameter_state_from_dp_zero", "load_parameter_state_from_fs_bucket_space",
            "reload_model_params", "_copy_model_params_to_main_params", "offload_to_cpu", "restore_from_cpu",
            "get_parameters")
+# Of those, what saves and what loads a checkpoint, for torn states. sharded_state_dict saves, or with
+# is_loading builds what a load fills; Bridge's load then always calls load_state_dict
+SAVES = ("state_dict", "save_parameter_state", "get_parameter_state_dp_reshardable", "get_parameter_state_dp_zero",
+         "get_parameter_state_fs_bucket_space")
+LOADS = ("load_state_dict", "load_parameter_state", "load_parameter_state_from_dp_reshardable",
+         "load_parameter_state_from_dp_zero", "load_parameter_state_from_fs_bucket_space")
+TORN_FIX = ("Fix: resume from the last checkpoint (restart the run from it, or load it into this optimizer: a "
+            "checkpoint load clears this)")
+
+
+def _is_loading(method, opt, args, kwargs) -> bool:
+    """sharded_state_dict(..., is_loading=...) as called (ChainedOptimizer passes it by position)."""
+    try:
+        bound = inspect.signature(method).bind(opt, *args, **kwargs)
+    except TypeError:
+        return False
+    bound.apply_defaults()
+    return bool(bound.arguments.get("is_loading"))
 
 
 def _compute_device(parts):
@@ -129,6 +148,13 @@ class StreamedEngine:
         self._adopted: List[object] = []  # GPU tensors copied to the host, freed at release()
         self._started: set = set()  # chunk indices whose host-to-device copy was started this update
         self._copied_masters: set = set()  # part indices whose masters were copied chunk by chunk
+        self._updated: List[tuple] = []  # (part, param) of every pass this update has begun
+        self._done: set = set()  # part indices whose update went through
+        self._where = ""  # the pass the update is in, for a failure's message
+        # Why the states are torn (an update failed after it had begun writing): until a checkpoint is
+        # loaded, no step and no checkpoint save
+        self.torn: Optional[str] = None
+        self._loading = False  # inside a load reader while torn: Megatron-Core's own nested calls pass
         self.steps_streamed = 0
         self._stepped = False
         self.budget_note: Optional[str] = None
@@ -198,9 +224,10 @@ class StreamedEngine:
             self.setup_peak = torch.cuda.max_memory_allocated(self.device)
             if nbytes:  # one DMA pass, so the first step does not pay for first use of the pages
                 scratch = torch.empty(min(nbytes, 32 * 2**20), dtype=torch.uint8, device=self.device)  # small: it adds to the setup peak
+                after = [self.copies.compute_event()]  # the scratch was allocated on the compute stream
                 for start in range(0, nbytes, scratch.numel()):
                     piece = self.buffer.tensor[start:start + scratch.numel()]
-                    self.copies.copy("h2d", scratch[:piece.numel()], piece)
+                    self.copies.copy("h2d", scratch[:piece.numel()], piece, after)
                 self.copies.host_wait_all()
                 del scratch
 
@@ -314,20 +341,47 @@ class StreamedEngine:
             self.settle()  # a rerun after finalization: the prefetched chunks go back unused
         if self.buffer is None:
             return 0
+        if self.torn is not None:
+            raise self._refusal("an optimizer step")
         pending = list(self._away())
         if pending:
+            for part, _, e, t in pending:
+                self._check_takeover(part, e, t)
             after = [self.copies.compute_event(), self.tail]
             last = None
             for _, _, e, t in pending:
                 last = self.copies.copy("d2h", e.host, t.detach(), after)
-            for part, b, e, t in pending:
+            with self.host_wait:  # once per adoption (the first step, a load): the host copy is whole
+                self.copies.host_wait(last)
+            for part, b, e, t in pending:  # bound to the host only once its copy is whole
                 if e.kind == MASTER:
                     part.shells[id(e.param)] = e.param.data  # keeps the GPU tensor: its storage is freed below
                 self._adopted.append(e.param.data if e.kind == MASTER else t)
                 b.set(e, e.host)
-            with self.host_wait:  # once per adoption (the first step, a load): the host copy is whole
-                self.copies.host_wait(last)
         return self.bytes
+
+    def _check_takeover(self, part: _Part, e: Entry, t) -> None:
+        """release() frees the storage of whatever offload() takes over: a tensor unlike the plan is
+        refused before anything is copied or freed."""
+        if tuple(t.shape) != e.shape:
+            why = f"has shape {tuple(t.shape)}, not {e.shape}"
+        elif t.dtype != e.dtype:
+            why = f"is {t.dtype}, not {e.dtype}"
+        elif t.device != self.device and t.device.type != "cpu":
+            why = f"is on {t.device}, not {self.device} or the host"
+        elif not t.untyped_storage().nbytes():
+            why = "has no storage (it was freed): there is nothing to copy"
+        elif not owns_storage(t):
+            why = ("does not own its storage (a view of a larger tensor): freeing it would free memory that "
+                   "other tensors use")
+        else:
+            return
+        raise BridgeFGOError(
+            f"{rank_prefix()}bridge_fgo cannot take over the {e.name} of a parameter of shape "
+            f"{self._shape(part, e.param)} ({part.contract.name}): the tensor bound there {why}. Nothing was "
+            "copied or freed. Fix: bind only states this optimizer makes itself (e.g. load a checkpoint saved "
+            "with this model and optimizer configuration), or use chunk_mb=0, whose one window moves whatever "
+            "states exist")
 
     def release(self) -> None:
         """After the param-buffer copy: free the GPU storage of what offload() adopted."""
@@ -353,6 +407,9 @@ class StreamedEngine:
             self.offload()
             self.release()
         self._drop_guards()  # the update's own copies are ordered after the tail on the GPU
+        self.armed = True  # from here on settle() binds everything back, whatever fails
+        self._started, self._copied_masters, self._stepped = set(), set(), False
+        self._updated, self._done = [], set()
         for part in self.parts:
             for bundle in part.bundles:
                 if bundle.resident:
@@ -362,8 +419,6 @@ class StreamedEngine:
                         e.param.data = self._shell(part, e.param)
             self._hooks.set(part.inner, "step", functools.partial(self._step, part))
             self._hooks.set(part.opt, "_copy_main_params_to_model_params", functools.partial(self._copy_rest, part))
-        self.armed = True
-        self._started, self._copied_masters, self._stepped = set(), set(), False
         if self.budget_bytes is not None and self.budget_note is None and self.copies.device_copies:
             import torch
 
@@ -388,15 +443,18 @@ class StreamedEngine:
         was_armed, self.armed = self.armed, False
         if self.buffer is None:
             return
+        if was_armed and self._updated and self.torn is None and any(
+                p.bundles and p.index not in self._done for p in self.parts):
+            # the step stopped between the optimizers of a chain (outside their updates): some stepped
+            self._where = "between the optimizers of the chain"
+            self.torn = self._failure()
+            logger.error("%s%s. %s", rank_prefix(), self.torn, TORN_FIX)
         loose = list(self._away())
-        if loose:  # a skipped step (masters on their shells) or an exception inside a chunk's update
+        if loose:  # a skipped step (masters on their shells) or a failed one
             self.copies.host_wait_all()
-            for _, b, e, t in loose:
-                if t.untyped_storage().nbytes():
-                    if tuple(t.shape) != e.shape or t.dtype != e.dtype:
-                        e.dropped = True  # made otherwise than planned: stays where the optimizer put it
-                        continue
-                    e.host.copy_(t.detach())  # bound to a window slot: its data is the newest
+            for _, b, e, _ in loose:
+                # never the window's data: a failed pass's is partial. Before any pass the host copy is
+                # the states as before the step; after one, the states are torn anyway
                 b.set(e, e.host)
         self.window.close()
         self.copies.end_step()
@@ -405,7 +463,7 @@ class StreamedEngine:
             self._stepped = False
         if wait:
             self.synchronize()
-        elif self.tail is not None and was_armed:
+        if self.torn is not None or (not wait and self.tail is not None and was_armed):
             self._guard_readers()
         if self.budget_bytes is not None and self.steps_streamed == 1 and self.budget_note is None:
             self._apply_budget()
@@ -413,8 +471,15 @@ class StreamedEngine:
     def synchronize(self) -> None:
         """The host copy is whole and current: wait for every copy in flight."""
         if self.copies is not None:
-            with self.host_wait:
-                self.copies.host_wait_all()
+            try:
+                with self.host_wait:
+                    self.copies.host_wait_all()
+            except BaseException as exc:
+                if self.tail is None or self.torn is not None:
+                    raise
+                self._raise_torn(exc, (
+                    f"waiting for the last update's device-to-host copies failed ({type(exc).__name__}: {exc}), so "
+                    "the optimizer states are torn: their host copy is part of that step, part of the one before"))
         self.tail = None
         self._drop_guards()
 
@@ -435,6 +500,10 @@ class StreamedEngine:
 
     def close(self) -> None:
         """Unpatch: states back on the GPU as ordinary tensors, the host buffer freed (exactly once)."""
+        if self.torn is not None:
+            logger.warning("%sunpatch(): %s. They go back to the GPU as they are, and checkpoint saves and optimizer "
+                           "steps of them stay refused until a checkpoint is loaded. %s", rank_prefix(), self.torn,
+                           TORN_FIX)
         self.settle(wait=True)
         if self.buffer is None:
             return
@@ -489,21 +558,49 @@ class StreamedEngine:
 
     def _step(self, part: _Part, *args, **kwargs):
         """The inner optimizer's step(), hooked while armed: resident parameters in place, then the
-        part's chunks through the window."""
+        part's chunks through the window. torch's step hooks and profiler marker fire once around it all."""
         inner = part.inner
+        if not self.armed:
+            return type(inner).step(inner, *args, **kwargs)
+        if update.has_step_hooks(inner):  # they see the states as between steps: on the host, whole
+            self.synchronize()
+            for p, b, e, _ in list(self._away()):
+                if p is part:
+                    b.set(e, e.host)  # a master off its storage-less GPU tensor; its chunk binds it again
+        return update.hooked_once(inner, functools.partial(self._update, part), *args, **kwargs)
+
+    def _update(self, part: _Part, inner, *args, **kwargs):
         if args or kwargs:  # Megatron-Core calls step() bare; a closure would re-run the model per chunk
             raise BridgeFGOError("the streamed step cannot run an optimizer step with a closure; use chunk_mb=0")
-        if not self.armed:
-            return type(inner).step(inner)
+        try:
+            self._passes(part, inner)
+        except BaseException as exc:
+            if not self._updated:
+                raise  # no pass began: nothing was written, settle() binds the states back as they were
+            self._raise_torn(exc)
+        self._done.add(part.index)
+        self._stepped = True
+        if part.chunks and part.chunks[-1].index == len(self.chunks) - 1:
+            self.window.close()  # the chain's last chunk is through: the memory goes back now
+        if update.has_step_hooks(inner):
+            self.synchronize()  # post hooks read the states the update just wrote
+        return None
+
+    def _passes(self, part: _Part, inner) -> None:
         state = update.GroupState(inner)
+        chain = f" of optimizer {part.index} of the chain" if len(self.parts) > 1 else ""
         resident = part.resident_params_by_group()
         if resident:  # overlaps the host-to-device copies already in flight
+            self._where = f"in the pass over the parameters kept on the GPU (gpu_budget_gib){chain}"
+            self._begin(part, resident)
             update.step_subset(inner, state, resident)
             masters = [p for ps in resident.values() for p in ps if id(p) in part.model_of]
             if masters:
                 update.copy_masters(part.opt, masters, part.model_of)
+                self._copied_masters.add(part.index)
         b = part.bindings
         for chunk in part.chunks:
+            self._where = f"in chunk {chunk.index + 1} of {len(self.chunks)}{chain}"
             self._h2d(chunk.index)
             self._h2d(chunk.index + 1)  # the next chunk of the chain, the next optimizer's too
             slot = self.window.slots[chunk.index % 2]
@@ -512,7 +609,9 @@ class StreamedEngine:
             for e, view in views:
                 if not e.dropped and b.get(e) is not None:
                     b.set(e, view)
-            update.step_subset(inner, state, chunk.params_by_group())
+            by_group = chunk.params_by_group()
+            self._begin(part, by_group)
+            update.step_subset(inner, state, by_group)
             for e, view in views:
                 self._keep(part, b, e, view)
             masters = [bd.param for bd in chunk.bundles if id(bd.param) in part.model_of]
@@ -527,11 +626,42 @@ class StreamedEngine:
                 if not e.dropped and b.get(e) is not None:
                     b.set(e, e.host)
             self._check_unplanned(part, b, chunk)
+        self._where = f"while writing back the param groups' values after the last chunk{chain}"
         state.commit()
-        self._stepped = True
-        if part.chunks and part.chunks[-1].index == len(self.chunks) - 1:
-            self.window.close()  # the chain's last chunk is through: the memory goes back now
-        return None
+
+    # -- a failure in the middle of an update ------------------------------------------------------
+    def _begin(self, part: _Part, params_by_group: Dict[int, list]) -> None:
+        """A pass is about to write: in place (resident states, step counters, parameters it steps that
+        are not in the window) and, once through, into model weights and the host copy."""
+        self._updated += [(part, p) for ps in params_by_group.values() for p in ps]
+
+    def _shape(self, part: _Part, param) -> tuple:
+        """A parameter as its model sees it (a master is a flat shard of its model parameter)."""
+        model = part.model_of.get(id(param))
+        return tuple((model[1] if model is not None else param).shape)
+
+    def _failure(self, exc: Optional[BaseException] = None) -> str:
+        shapes = ", ".join(str(self._shape(part, p)) for part, p in self._updated[:3])
+        more = ", ..." if len(self._updated) > 3 else ""
+        cause = f" ({type(exc).__name__}: {exc})" if exc is not None else ""
+        return (f"the optimizer step failed {self._where}{cause} after it had begun updating "
+                f"{len(self._updated)} parameter(s) (shapes {shapes}{more}), so the optimizer states and "
+                "model weights are torn: part of them are at the next step, the rest at this one")
+
+    def _raise_torn(self, exc: BaseException, torn: Optional[str] = None):
+        """Mark the states torn and raise: BridgeFGOError from `exc`; a BaseException that is not an
+        Exception (KeyboardInterrupt, an in-process restart's RankShouldRestart) passes on as it is."""
+        self.torn = torn or self._failure(exc)
+        if not self.armed:
+            self._guard_readers()  # else settle() does, once the update's hooks are gone
+        if isinstance(exc, Exception):
+            raise BridgeFGOError(f"{rank_prefix()}{self.torn}. bridge_fgo refuses optimizer steps and "
+                                 f"checkpoint saves until a checkpoint is loaded. {TORN_FIX}") from exc
+        logger.error("%s%s. %s", rank_prefix(), self.torn, TORN_FIX)
+        raise exc
+
+    def _refusal(self, what: str) -> BridgeFGOError:
+        return BridgeFGOError(f"{rank_prefix()}{what} refused: {self.torn}. {TORN_FIX}")
 
     def _keep(self, part: _Part, b: Bindings, e: Entry, view) -> None:
         """After a chunk's update: a state the optimizer created in this update (its first) is copied
@@ -566,7 +696,11 @@ class StreamedEngine:
 
     # -- readers between steps --------------------------------------------------------------------
     def _guard_readers(self) -> None:
-        self._drop_guards()
+        """READERS wrapped on the instances while the tail is in flight or the states are torn (then the
+        inner optimizers' step() too)."""
+        if self.armed:
+            return  # settle() guards, once the update's own hooks are gone
+        self.guards.restore()
         for part in self.parts:
             opt = part.opt
             for name in READERS:
@@ -574,13 +708,41 @@ class StreamedEngine:
                 if callable(method):
                     # the optimizer holds the guard: the guard holds it weakly
                     self.guards.set(opt, name, functools.partial(self._guarded, weakref.ref(opt), name))
+            if self.torn is not None:
+                self.guards.set(part.inner, "step", self._torn_step)
 
     def _guarded(self, opt_ref, name, *args, **kwargs):
-        self.synchronize()  # drops every guard: later calls go straight to Megatron-Core
-        return getattr(opt_ref(), name)(*args, **kwargs)
+        opt = opt_ref()
+        if self.torn is None:
+            self.synchronize()  # drops every guard: later calls go straight to Megatron-Core
+            return getattr(opt, name)(*args, **kwargs)
+        method = getattr(type(opt), name)
+        if self._loading:  # Megatron-Core's own calls inside a load (sharded_state_dict calls state_dict)
+            return method(opt, *args, **kwargs)
+        loads = name in LOADS or (name == "sharded_state_dict" and _is_loading(method, opt, args, kwargs))
+        if not loads and (name in SAVES or name == "sharded_state_dict"):
+            raise self._refusal(f"{type(opt).__name__}.{name}(), a checkpoint save of the optimizer states,")
+        self.synchronize()
+        if not loads:
+            return method(opt, *args, **kwargs)
+        self._loading = True
+        try:
+            out = method(opt, *args, **kwargs)
+        finally:
+            self._loading = False
+        if name in LOADS:  # sharded_state_dict(is_loading=True) only builds what the load then fills
+            self.torn = None
+            self.guards.restore()
+            logger.info("%s%s.%s() loaded a checkpoint: the optimizer states are whole again", rank_prefix(),
+                        type(opt).__name__, name)
+        return out
+
+    def _torn_step(self, *args, **kwargs):
+        raise self._refusal("an optimizer step")
 
     def _drop_guards(self) -> None:
-        self.guards.restore()
+        if self.torn is None:  # torn states keep their guards until a load
+            self.guards.restore()
 
     # -- memory budget ----------------------------------------------------------------------------
     def _apply_budget(self) -> None:

@@ -81,13 +81,51 @@ class GroupState:
         self.after = {}
 
 
+_HOOK_CODE = None
+
+
+def has_step_hooks(inner) -> bool:
+    """Whether torch's step hooks will see this optimizer's step: its own or global, pre or post."""
+    from torch.optim import optimizer as torch_optimizer
+
+    return bool(getattr(inner, "_optimizer_step_pre_hooks", None) or getattr(inner, "_optimizer_step_post_hooks", None)
+                or getattr(torch_optimizer, "_global_optimizer_pre_hooks", None)
+                or getattr(torch_optimizer, "_global_optimizer_post_hooks", None))
+
+
+def _torch_hooked(step) -> bool:
+    """Whether `step` is torch's wrapper (Optimizer.profile_hook_step, put on every optimizer class by
+    Optimizer._patch_step_function): it fires the step hooks and the profiler's step marker, then calls
+    the class's own step, its __wrapped__. Recognised by its code, so a wrapper copying its attributes
+    (functools.wraps copies `hooked`) is not taken for it."""
+    global _HOOK_CODE
+    if _HOOK_CODE is None:
+        import torch
+
+        _HOOK_CODE = torch.optim.Optimizer.profile_hook_step(lambda *a, **k: None).__code__
+    return getattr(step, "__code__", None) is _HOOK_CODE and callable(getattr(step, "__wrapped__", None))
+
+
+def hooked_once(inner, body, *args, **kwargs):
+    """`body(inner, *args, **kwargs)`, the passes of one streamed step, inside torch's step wrapper: the
+    global and per-instance step pre/post hooks and the profiler's marker fire once for the whole step,
+    as for one step() over everything (each pass runs the class's step without them: step_subset)."""
+    if not _torch_hooked(type(inner).step):
+        return body(inner, *args, **kwargs)
+    return type(inner).profile_hook_step(body)(inner, *args, **kwargs)
+
+
 def step_subset(inner, state: GroupState, params_by_group: Dict[int, list]) -> None:
-    """The inner optimizer's own step() over these parameters only."""
+    """The inner optimizer's own step() over these parameters only: the class's step itself, without
+    torch's hook wrapper, which hooked_once runs once around all the passes."""
+    step = type(inner).step
+    if _torch_hooked(step):
+        step = step.__wrapped__
     groups = state.groups(params_by_group)
     saved = inner.param_groups
     inner.param_groups = groups
     try:
-        type(inner).step(inner)  # the class's step (its hooks included), not the engine's hook on the instance
+        step(inner)
     finally:
         inner.param_groups = saved
     state.record(groups)

@@ -126,7 +126,8 @@ class CallSites:
             session.prepare()
         return session
 
-    def _install_finalize(self, model) -> None:
+    def _install_finalize(self, model):
+        """Our wrapper on the model config's finalize function; returns the config."""
         from megatron.core.utils import get_model_config
 
         config = get_model_config(model[0])
@@ -136,7 +137,7 @@ class CallSites:
         # hook): still reached, still fine. If it was replaced outright, install again, or the
         # optimizer step would read released storage.
         if mine is not None and (func is mine or _reaches(func, mine)):
-            return
+            return config
         if func is None:
             raise BridgeFGOConfigError(
                 "model_config.finalize_model_grads_func is None: optimizer states are brought back from "
@@ -145,6 +146,15 @@ class CallSites:
         wrapper = ReloadingFinalize(func, self._finalize)
         config.finalize_model_grads_func = wrapper
         self.finalizers[id(config)] = (config, wrapper)
+        return config
+
+    def _uninstall_finalize(self, config) -> None:
+        """train() is over: the finalize function as it was, and nothing of this training held (an
+        in-process restart binds a new one, with the new run's process groups, on the same config)."""
+        entry = self.finalizers.get(id(config))
+        if entry is not None and entry[0] is config and config.finalize_model_grads_func is entry[1]:
+            config.finalize_model_grads_func = entry[1].__wrapped__
+            del self.finalizers[id(config)]
 
     # -- wrappers ---------------------------------------------------------------------------------
     def train(self, name, wrapped, instance, args, kwargs):
@@ -153,15 +163,16 @@ class CallSites:
             return wrapped(*args, **kwargs)
         optimizer = argument(self.index[name], "optimizer", args, kwargs)
         session.prepare()  # a training after one that parked its states pins them again
-        self._install_finalize(argument(self.index[name], "model", args, kwargs))
+        config = self._install_finalize(argument(self.index[name], "model", args, kwargs))
         ok = False
         try:
             result = wrapped(*args, **kwargs)
             ok = True
             return result
         finally:
-            # the training is over: nothing it pinned outlives it
+            # the training is over: nothing it pinned or wrapped outlives it
             try:
+                self._uninstall_finalize(config)
                 if session.end_training():
                     self.registry.remove(optimizer)
                 session.summary(strict=self.options.strict and ok)

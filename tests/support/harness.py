@@ -99,6 +99,8 @@ def make_distributed_optimizer(events: Recorder, with_tensors: bool = False, see
                     else:
                         p.grad = g.to(p.dtype)
             self._gen += 1
+            if "step" not in vars(self.optimizer):  # no streamed update armed (its passes: checked_passes)
+                _no_released_storage(self.optimizer, dict(enumerate(g["params"] for g in self.optimizer.param_groups)))
             return self.step_with_ready_grads()
 
     opt = StandInDistributedOptimizer()
@@ -156,7 +158,6 @@ def make_distributed_optimizer(events: Recorder, with_tensors: bool = False, see
         opt.is_stub_optimizer = False
         opt.data_parallel_group = None  # megatron-core 0.16 passes it to its fp8 cast, a no-op without fp8 params
         opt._gen = 0
-        opt.optimizer.register_step_pre_hook(_no_released_storage)
     return opt
 
 
@@ -188,15 +189,32 @@ def _inner_optimizer(kind, param_groups, foreach, precision_aware, te_kw):
     return cls(param_groups, **common, **kw)
 
 
-def _no_released_storage(optimizer, args, kwargs):
-    """Every update, whole or one chunk of it, reads only whole storage: the parameters it steps
-    and their states."""
-    for group in optimizer.param_groups:
-        for p in group["params"]:
+def _no_released_storage(inner, params_by_group):
+    """Every update, whole or one pass of it, reads only whole storage: the parameters it steps and
+    their states."""
+    for params in params_by_group.values():
+        for p in params:
             assert p.untyped_storage().nbytes() > 0, "the optimizer step read a released parameter"
-            for v in optimizer.state.get(p, {}).values():
+            for v in inner.state.get(p, {}).values():
                 if v.dim():
                     assert v.untyped_storage().nbytes() > 0, "the optimizer step read a released state"
+
+
+@contextlib.contextmanager
+def checked_passes():
+    """The streamed engine's passes (update.step_subset: one chunk, or the resident parameters) each
+    checked for released storage before they run. Not a step hook: those fire once per optimizer step,
+    around all of its passes, when the masters waiting for their chunk have no storage."""
+    from bridge_fgo.engine import update
+
+    real = update.step_subset
+
+    def checked(inner, state, params_by_group):
+        _no_released_storage(inner, params_by_group)
+        return real(inner, state, params_by_group)
+
+    with mock.patch.object(update, "step_subset", checked):
+        yield
 
 
 class ChainedOptimizer:
