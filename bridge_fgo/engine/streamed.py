@@ -256,6 +256,7 @@ class StreamedEngine:
     def _take(self, part: _Part, b: Bindings, e: Entry, t) -> None:
         """Copy `t` (what `e` is bound to) into e's host view now and bind the view; free t's memory.
         A master keeps a storage-less tensor on the compute device as its shell (reload binds it)."""
+        self._check_takeover(part, e, t)
         e.host.copy_(t.detach())
         old = t.data  # a master is rebound in place (`master.data = view`): keep what it was bound to
         on_device = old.device == self.device
