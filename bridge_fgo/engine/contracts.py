@@ -62,6 +62,10 @@ class Contract:
         method for it), on p's device; `device` is where its step runs (for states kept there)."""
         raise NotImplementedError
 
+    def reload_from_param(self, inner, p) -> None:
+        """p's weights were loaded without optimizer state: remake, in place, what the optimizer derives
+        from the parameter when it creates its states (nothing, but for TE's master_param)."""
+
     def scale_of(self, inner, p, key):
         """The scale tensor of state `key` of `p`, or None."""
         return None
@@ -128,6 +132,17 @@ class TEFusedAdam(Contract):
         # TE 2.x step(): `if len(state) == 0: self.initialize_state(p, store_param_remainders)`
         remainders = bool(inner.store_param_remainders and p.dtype == torch.bfloat16)
         inner.initialize_state(p, remainders)
+
+    def reload_from_param(self, inner, p):
+        import torch
+
+        if not inner.master_weights or "master_param" not in inner.state[p]:
+            return
+        # as initialize_state makes it: remainders zero (the master is the bf16 weight), else the weight
+        if inner.store_param_remainders and p.dtype == torch.bfloat16:
+            inner.state[p]["master_param"].zero_()
+        else:
+            inner.set_scaled_state(p, "master_param", p.clone().detach().float())
 
     def scale_of(self, inner, p, key):
         return (inner._scales.get(p) or {}).get(key)

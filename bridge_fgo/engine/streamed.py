@@ -220,6 +220,10 @@ class StreamedEngine:
             inner = part.inner
             prior = inner.__dict__.get("load_state_dict")  # e.g. Bridge's memory-efficient loader
             self._loaders.set(inner, "load_state_dict", functools.partial(self._inner_load, weakref.ref(inner), prior))
+            opt = part.opt
+            prior = opt.__dict__.get("reload_model_params")
+            self._loaders.set(opt, "reload_model_params",
+                              functools.partial(self._reload_model_params, weakref.ref(part), prior))
         if cuda:
             self.setup_peak = torch.cuda.max_memory_allocated(self.device)
             if nbytes:  # one DMA pass, so the first step does not pay for first use of the pages
@@ -320,6 +324,20 @@ class StreamedEngine:
         result = prior(*args, **kwargs) if prior is not None else type(inner).load_state_dict(inner, *args, **kwargs)
         if self.buffer is not None:
             self._take_all()
+        return result
+
+    def _reload_model_params(self, part_ref, prior, *args, **kwargs):
+        """Megatron-Core's reload_model_params (Bridge calls it after a load without optimizer state:
+        finetuning, a release or HF checkpoint): the masters it holds are refreshed from the loaded
+        weights where they are, the host views; states the optimizer derives from the parameters and
+        Megatron-Core does not reload (TE's master_param) are made again as its first step makes them."""
+        part = part_ref()
+        opt = part.opt
+        result = prior(*args, **kwargs) if prior is not None else type(opt).reload_model_params(opt, *args, **kwargs)
+        inner = part.inner
+        for bundle in part.bundles:
+            if inner.state.get(bundle.param):
+                part.contract.reload_from_param(inner, bundle.param)
         return result
 
     def after_load(self) -> None:
