@@ -174,8 +174,8 @@ global_state._cfg.model = model_config
 
 
 def wrapped_targets_once():
-    return all(isinstance(getattr(sys.modules[t.module], t.name), patcher._Target)
-               and not isinstance(getattr(sys.modules[t.module], t.name).__wrapped__, patcher._Target)
+    return all(isinstance(t.raw(sys.modules[t.module]), patcher._Target)
+               and not isinstance(t.raw(sys.modules[t.module]).__wrapped__, patcher._Target)
                for t in targets.TARGETS)
 
 
