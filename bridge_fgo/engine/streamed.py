@@ -71,6 +71,19 @@ def _is_loading(method, opt, args, kwargs) -> bool:
     return bool(bound.arguments.get("is_loading"))
 
 
+def _hook(engine_ref, method: str, owner_ref, prior, *args, **kwargs):
+    """An engine's hook on an optimizer: the engine's `method`, or, once the engine is gone, what was
+    bound before it (the class's own method when nothing was)."""
+    engine = engine_ref()
+    if engine is not None:
+        return getattr(engine, method)(owner_ref, prior, *args, **kwargs)
+    if prior is not None:
+        return prior(*args, **kwargs)
+    owner = owner_ref()
+    name = "load_state_dict" if method == "_inner_load" else "reload_model_params"
+    return getattr(type(owner), name)(owner, *args, **kwargs)
+
+
 def _compute_device(parts):
     """Where the update runs: the model parameters' device (masters may live on the host already)."""
     for part in parts:
@@ -219,11 +232,13 @@ class StreamedEngine:
         for part in self.parts:
             inner = part.inner
             prior = inner.__dict__.get("load_state_dict")  # e.g. Bridge's memory-efficient loader
-            self._loaders.set(inner, "load_state_dict", functools.partial(self._inner_load, weakref.ref(inner), prior))
+            # the optimizers hold these hooks, the hooks hold the engine and the optimizers weakly
+            self._loaders.set(inner, "load_state_dict",
+                              functools.partial(_hook, weakref.ref(self), "_inner_load", weakref.ref(inner), prior))
             opt = part.opt
             prior = opt.__dict__.get("reload_model_params")
-            self._loaders.set(opt, "reload_model_params",
-                              functools.partial(self._reload_model_params, weakref.ref(part), prior))
+            self._loaders.set(opt, "reload_model_params", functools.partial(
+                _hook, weakref.ref(self), "_reload_model_params", weakref.ref(opt), prior))
         if cuda:
             self.setup_peak = torch.cuda.max_memory_allocated(self.device)
             if nbytes:  # one DMA pass, so the first step does not pay for first use of the pages
@@ -315,7 +330,7 @@ class StreamedEngine:
                         continue
                     self._take(part, b, e, t)
 
-    def _inner_load(self, inner_ref, prior, *args, **kwargs):
+    def _inner_load(self, inner_ref, prior, *args, **kwargs):  # through _hook
         """The inner optimizer's load_state_dict, then its states back in their host views at once.
         Transformer Engine's loader makes every state anew (where the parameter is: the host), and
         Megatron-Core builds the sharded tensors torch_dist fills right after its own round trip
@@ -326,13 +341,13 @@ class StreamedEngine:
             self._take_all()
         return result
 
-    def _reload_model_params(self, part_ref, prior, *args, **kwargs):
+    def _reload_model_params(self, opt_ref, prior, *args, **kwargs):  # through _hook
         """Megatron-Core's reload_model_params (Bridge calls it after a load without optimizer state:
         finetuning, a release or HF checkpoint): the masters it holds are refreshed from the loaded
         weights where they are, the host views; states the optimizer derives from the parameters and
         Megatron-Core does not reload (TE's master_param) are made again as its first step makes them."""
-        part = part_ref()
-        opt = part.opt
+        opt = opt_ref()
+        part = next(p for p in self.parts if p._opt() is opt)
         result = prior(*args, **kwargs) if prior is not None else type(opt).reload_model_params(opt, *args, **kwargs)
         inner = part.inner
         for bundle in part.bundles:
