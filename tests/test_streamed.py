@@ -9,6 +9,7 @@ On CPU the engine's copies are deferred until something waits for them (engine/c
 the engine forgets shows here as stale data.
 """
 import contextlib
+import functools
 import logging
 import types
 from unittest import mock
@@ -19,6 +20,7 @@ import torch
 import bridge_fgo
 from bridge_fgo.engine import contracts, update
 from bridge_fgo.engine.streamed import StreamedEngine
+from bridge_fgo.engine import streamed as streamed_mod
 from bridge_fgo.engine.tensors import same
 from bridge_fgo.instrument import refusals
 from support import fused_adam, harness
@@ -303,7 +305,13 @@ def test_guards_are_instance_attributes_only_while_the_tail_is_in_flight():
     _, opt, engine = _two_runs()
     assert "sharded_state_dict" in opt.__dict__ and "state_dict" in opt.__dict__
     engine.synchronize()
-    assert not any(name in opt.__dict__ for name in ("sharded_state_dict", "state_dict", "reload_model_params"))
+    assert not any(name in opt.__dict__ for name in ("sharded_state_dict", "state_dict"))
+    # what stays, from prepare() to close(), is the engine's own hook on reload_model_params (a load of
+    # the model only remakes what the optimizer derives from the weights), never a reader's guard
+    hook = opt.__dict__.get("reload_model_params")
+    assert isinstance(hook, functools.partial) and hook.func is streamed_mod._hook
+    engine.close()
+    assert "reload_model_params" not in opt.__dict__
 
 
 def test_unwaited_steps_in_a_row_stay_exact():
