@@ -71,16 +71,15 @@ def _is_loading(method, opt, args, kwargs) -> bool:
     return bool(bound.arguments.get("is_loading"))
 
 
-def _hook(engine_ref, method: str, owner_ref, prior, *args, **kwargs):
-    """An engine's hook on an optimizer: the engine's `method`, or, once the engine is gone, what was
-    bound before it (the class's own method when nothing was)."""
+def _hook(engine_ref, method: str, name: str, owner_ref, prior, *args, **kwargs):
+    """An engine's hook on the optimizer method `name`: the engine's `method`, or, once the engine is
+    gone, what was bound before it (the class's own method when nothing was)."""
     engine = engine_ref()
     if engine is not None:
         return getattr(engine, method)(owner_ref, prior, *args, **kwargs)
     if prior is not None:
         return prior(*args, **kwargs)
     owner = owner_ref()
-    name = "load_state_dict" if method == "_inner_load" else "reload_model_params"
     return getattr(type(owner), name)(owner, *args, **kwargs)
 
 
@@ -234,11 +233,12 @@ class StreamedEngine:
             prior = inner.__dict__.get("load_state_dict")  # e.g. Bridge's memory-efficient loader
             # the optimizers hold these hooks, the hooks hold the engine and the optimizers weakly
             self._loaders.set(inner, "load_state_dict",
-                              functools.partial(_hook, weakref.ref(self), "_inner_load", weakref.ref(inner), prior))
+                              functools.partial(_hook, weakref.ref(self), "_inner_load", "load_state_dict",
+                                                weakref.ref(inner), prior))
             opt = part.opt
             prior = opt.__dict__.get("reload_model_params")
             self._loaders.set(opt, "reload_model_params", functools.partial(
-                _hook, weakref.ref(self), "_reload_model_params", weakref.ref(opt), prior))
+                _hook, weakref.ref(self), "_reload_model_params", "reload_model_params", weakref.ref(opt), prior))
         if cuda:
             self.setup_peak = torch.cuda.max_memory_allocated(self.device)
             if nbytes:  # one DMA pass, so the first step does not pay for first use of the pages

@@ -28,8 +28,6 @@ from ..options import Options
 from .session import Registry, Session
 from .targets import Layout, argument
 
-MIB = 2**20
-
 
 class ReloadingFinalize(wrapt.FunctionWrapper):
     """The finalize wrapper's own type: how bridge_fgo recognises it and never wraps it twice."""
@@ -213,7 +211,7 @@ class CallSites:
         moved to host memory before the next (construction.py)."""
         if not (self.enabled and self.options.offload == "builtin" and self.options.chunk_mb):
             return wrapped(*args, **kwargs)
-        from ..engine import construction
+        from ..engine import MIB, construction
 
         peaks.note("setup before the optimizer's construction (the model, its buffers)")
         built = construction.Built()
