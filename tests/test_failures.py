@@ -1,4 +1,4 @@
-"""Failure paths of the streamed step (bridge_fgo/engine/streamed.py), on Megatron-Core's real
+"""Failure paths of the streamed step (bridge_fgo/engine/streamed/), on Megatron-Core's real
 DistributedOptimizer (harness) with torch AdamW and the TE and apex FusedAdam stand-ins.
 
 A failure before the update's first pass began leaves every state bit-identical to before the step
@@ -115,7 +115,7 @@ def injected(where, index, engine):
         return real_wait(ev)
 
     def copy_(direction, dst, src, after=()):
-        if engine.armed and direction == "d2h" and engine._where.startswith(f"in chunk {index + 1} of "):
+        if engine.update.armed and direction == "d2h" and engine.update.where.startswith(f"in chunk {index + 1} of "):
             raise Boom("injected in a chunk's device-to-host copy")
         return real_copy(direction, dst, src, after)
 
@@ -288,7 +288,7 @@ def tail_in_flight(kind="torch"):
     for _ in range(2):
         step(base)
         step(opt, engine, wait=False)
-    assert engine.tail is not None and engine.copies.pending()
+    assert engine.transfers.tail is not None and engine.copies.pending()
     return base, opt, engine
 
 
@@ -327,7 +327,7 @@ def test_a_guarded_reader_that_fails_itself_leaves_the_states_whole():
     base, opt, engine = tail_in_flight()
     with pytest.raises(KeyError):
         opt.load_parameter_state_from_dp_reshardable({})  # a checkpoint without this optimizer's buckets
-    assert engine.torn is None and engine.tail is None and not engine.guards
+    assert engine.torn is None and engine.transfers.tail is None and not engine.readers.guards
     assert_same(snapshot(base), snapshot(opt))
     step(base)
     step(opt, engine)
@@ -345,7 +345,7 @@ def test_a_failure_in_the_next_iteration_while_the_tail_is_in_flight_loses_nothi
     def failing(*a, **k):
         harness.run_steps(r, steps=2)
         _, engine = engine_of()
-        assert engine.tail is not None and engine.copies.pending()
+        assert engine.transfers.tail is not None and engine.copies.pending()
         r.forward_backward_func = harness.forward_backward_func(r.events, Boom("loss spike"))
         harness.run_steps(r, steps=1)
 
@@ -422,7 +422,7 @@ def test_offload_refuses_to_take_over_a_tensor_unlike_the_plan_before_anything_i
     with pytest.raises(bridge_fgo.BridgeFGOError, match=f"cannot take over the state 'exp_avg_sq' of a parameter of "
                                                          f"shape \\(4, 8\\).*{words}.*Nothing was copied or freed"):
         engine.offload()
-    assert engine._adopted == [] and opt.optimizer.state[p]["exp_avg_sq"] is odd
+    assert engine.transfers.adopted == [] and opt.optimizer.state[p]["exp_avg_sq"] is odd
     if storage is not None:
         assert odd.untyped_storage().nbytes() == storage
     assert_same(before, others())

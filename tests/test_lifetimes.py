@@ -180,7 +180,7 @@ def test_a_chain_shares_one_window_and_stays_exact():
 
     from test_streamed import on_each_pass
 
-    with on_each_pass(lambda inner, groups: arenas.append(engine().window.arena.data_ptr())):
+    with on_each_pass(lambda inner, groups: arenas.append(engine().transfers.window.arena.data_ptr())):
         harness.run_steps(r, steps=3)
     bridge_fgo.synchronize()
     e = engine()

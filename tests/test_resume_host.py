@@ -126,7 +126,7 @@ def test_states_exist_in_their_host_views_before_the_first_step(case):
     for part in engine.parts:
         for e in part.entries():
             assert low <= part.bindings.get(e).data_ptr() < high
-    assert engine.offload() == engine.bytes and not engine._adopted  # the first offload moves nothing
+    assert engine.offload() == engine.bytes and not engine.transfers.adopted  # the first offload moves nothing
 
 
 def test_torch_adamw_states_are_left_to_its_first_step_or_a_load():

@@ -20,7 +20,7 @@ import torch
 import bridge_fgo
 from bridge_fgo.engine import contracts, update
 from bridge_fgo.engine.streamed import StreamedEngine
-from bridge_fgo.engine import streamed as streamed_mod
+from bridge_fgo.engine.streamed import readers as readers_mod
 from bridge_fgo.engine.tensors import same
 from bridge_fgo.instrument import refusals
 from support import fused_adam, harness
@@ -211,7 +211,7 @@ def test_window_bound_and_parameters_never_split():
         ps = [p for g in groups for p in g["params"]]
         seen.append([id(p) for p in ps])
         # everything this update reads that moves is inside the window, nothing else
-        lo = engine.window.arena.data_ptr()
+        lo = engine.transfers.window.arena.data_ptr()
         for b, e in entries(engine):
             if any(e.param is p for p in ps):
                 t = b.get(e)
@@ -227,7 +227,7 @@ def test_window_bound_and_parameters_never_split():
     assert max(sizes) <= max(2000, max(bundles))
     # the window holds the largest pair of consecutive chunks, less than two of the largest
     assert engine.window_bytes == max(a + b for a, b in zip(sizes, sizes[1:]))
-    assert engine.window.arena is None  # given back after the update
+    assert engine.transfers.window.arena is None  # given back after the update
     per_step = len(engine.chunks)
     assert len(seen) == 3 * per_step
     for chunk, ids in zip(engine.chunks * 3, seen):
@@ -263,7 +263,7 @@ def _two_runs(kind="torch-foreach-default", steps=2):
     for _ in range(steps):
         step(base)
         step(opt, engine, wait=False)  # the next step's copies wait for the tail on their own
-    assert engine.copies.pending() > 0 and engine.tail is not None  # the tail is in flight
+    assert engine.copies.pending() > 0 and engine.transfers.tail is not None  # the tail is in flight
     return base, opt, engine
 
 
@@ -274,7 +274,7 @@ def test_checkpoint_reader_waits_for_the_tail_and_sees_current_states(kind):
     run without offload."""
     base, opt, engine = _two_runs(kind)
     got = opt.get_parameter_state_dp_reshardable()
-    assert engine.copies.pending() == 0 and engine.tail is None and not engine.guards
+    assert engine.copies.pending() == 0 and engine.transfers.tail is None and not engine.readers.guards
     want = base.get_parameter_state_dp_reshardable()
     for bucket_got, bucket_want in zip(got[0][torch.bfloat16], want[0][torch.bfloat16]):
         for a, b in zip(bucket_got, bucket_want):
@@ -297,7 +297,7 @@ def test_reload_model_params_waits_for_the_tail_then_writes_the_host_masters():
 def test_direct_readers_call_synchronize():
     base, opt, engine = _two_runs()
     engine.synchronize()
-    assert engine.copies.pending() == 0 and not engine.guards
+    assert engine.copies.pending() == 0 and not engine.readers.guards
     assert_same(snapshot(base), snapshot(opt))
 
 
@@ -309,7 +309,7 @@ def test_guards_are_instance_attributes_only_while_the_tail_is_in_flight():
     # what stays, from prepare() to close(), is the engine's own hook on reload_model_params (a load of
     # the model only remakes what the optimizer derives from the weights), never a reader's guard
     hook = opt.__dict__.get("reload_model_params")
-    assert isinstance(hook, functools.partial) and hook.func is streamed_mod._hook
+    assert isinstance(hook, functools.partial) and hook.func is readers_mod._hook
     engine.close()
     assert "reload_model_params" not in opt.__dict__
 

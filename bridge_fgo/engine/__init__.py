@@ -7,7 +7,8 @@
     copies.py      host <-> GPU copies ordered by events (deferred on CPU), the GPU window
     budget.py      gpu_budget_gib: what may stay on the GPU, judged after the first step
     update.py      the update of a subset: the inner step, group-level state, the master copy
-    streamed.py    StreamedEngine (chunk_mb > 0): states on the host between updates
+    streamed/      StreamedEngine (chunk_mb > 0): states on the host between updates (plan,
+                   transfers, update, readers)
     onewindow.py   OneWindowEngine (chunk_mb = 0): states back on the GPU for the whole update
 
 BuiltinAdapter drives one engine per optimizer as train_step sees it (a chain included) for the

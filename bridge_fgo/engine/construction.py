@@ -13,7 +13,7 @@ made; the GPU holds one batch at most. The results are the original's, assembled
 
 The masters keep their objects (`master.data` is rebound), so `model_param.main_param` and the
 optimizer's param groups still hold them. The engine takes them from their staging tensors into its
-pinned buffer when it prepares (streamed.py); until then they are ordinary pageable host tensors,
+pinned buffer when it prepares (streamed/transfers.py); until then they are ordinary pageable host tensors,
 which Megatron-Core's readers (reload_model_params after a model-only load) read and write as any
 tensor.
 """

@@ -1,0 +1,171 @@
+"""The streamed step's plan: which tensors of which optimizer move, where each sits in the host
+buffer, how they are cut into chunks, and the figures that follow from it. Holds no memory.
+
+The engine holds its optimizers through weak references: it never keeps one alive.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Dict, Iterator, List, Optional, Tuple
+
+from ...errors import BridgeFGOError
+from .. import contracts, layout
+from ..tensors import MASTER, Bindings, Entry, Movable, flat, inner_params, model_params_of_masters, same
+
+
+def compute_device(parts):
+    """Where the update runs: the model parameters' device (masters may live on the host already)."""
+    for part in parts:
+        opt = part.opt
+        for name in ("model_float16_groups", "model_fp32_groups"):
+            for t in flat(getattr(opt, name, None)):
+                return t.device
+    params = [p for part in parts for _, p in inner_params(part.inner)]
+    return params[0].device if params else None
+
+
+class Part:
+    """One DistributedOptimizer of the chain."""
+
+    def __init__(self, index: int, opt):
+        self.index = index
+        self._opt = weakref.ref(opt)
+        self._inner = weakref.ref(opt.optimizer)
+        self.contract = contracts.of(opt.optimizer)
+        self.bundles: List[layout.Bundle] = []
+        self.chunks: List[layout.Chunk] = []
+        self.model_of: Dict[int, tuple] = {}
+        self.shells: Dict[int, object] = {}  # id(master) -> its GPU tensor, storage freed between steps
+        self.shared = 0
+
+    @property
+    def opt(self):
+        return self._alive(self._opt())
+
+    @property
+    def inner(self):
+        return self._alive(self._inner())
+
+    def holds(self, opt) -> bool:
+        return self._opt() is opt
+
+    @staticmethod
+    def _alive(obj):
+        if obj is None:
+            raise BridgeFGOError("internal: an optimizer the engine serves was garbage-collected")
+        return obj
+
+    @property
+    def bindings(self) -> Bindings:
+        return Bindings(self.inner, self.contract)
+
+    def entries(self) -> List[Entry]:
+        return [e for b in self.bundles for e in b.entries]
+
+    def resident_params_by_group(self) -> Dict[int, list]:
+        out: Dict[int, list] = {}
+        for b in self.bundles:
+            if b.resident or not b.entries:
+                out.setdefault(b.group, []).append(b.param)
+        return out
+
+    def shape(self, param) -> tuple:
+        """A parameter as its model sees it (a master is a flat shard of its model parameter)."""
+        model = self.model_of.get(id(param))
+        return tuple((model[1] if model is not None else param).shape)
+
+
+class Plan:
+    """Every optimizer of the chain as Parts, their bundles laid out in one host buffer and cut into
+    chunks of at most `chunk_bytes`, in the chain's order."""
+
+    def __init__(self, dist_optimizers, chunk_bytes: int):
+        if chunk_bytes <= 0:
+            raise ValueError(f"the streamed step needs a window of > 0 bytes, got {chunk_bytes}")
+        self.parts = [Part(i, o) for i, o in enumerate(dist_optimizers)]
+        self.chunk_bytes = chunk_bytes
+        self.chunks: List[layout.Chunk] = []
+        self.device = None
+        self.nbytes: Optional[int] = None  # the host buffer's size, once laid out
+
+    def lay_out(self) -> int:
+        """Lay out every bundle (once); the host bytes the buffer needs."""
+        if self.nbytes is not None:
+            return self.nbytes
+        offset = 0
+        for part in self.parts:
+            opt, inner = part.opt, part.inner
+            movable = Movable(opt)
+            part.model_of = model_params_of_masters(opt)
+            moved_masters = set()
+            for t in (m for g in getattr(opt, "shard_fp32_from_float16_groups", None) or () for m in g):
+                if t is not None and movable.take(t):
+                    moved_masters.add(id(t))
+            part.bundles = [layout.bundle_of(part.index, gi, p, inner.param_groups[gi], inner, part.contract,
+                                             movable, id(p) in moved_masters)
+                            for gi, p in inner_params(inner)]
+            part.shared = movable.shared
+            offset = layout.place(part.bundles, offset)
+        self.cut()
+        self.device = compute_device(self.parts)
+        self.nbytes = offset
+        return offset
+
+    def cut(self) -> None:
+        """Chunks of what is not resident (again after a budget keeps bundles on the GPU)."""
+        self.chunks = []
+        for part in self.parts:
+            part.chunks = layout.chunks_of(part.bundles, self.chunk_bytes, first_index=len(self.chunks))
+            self.chunks += part.chunks
+
+    def part_of(self, opt) -> Part:
+        return next(p for p in self.parts if p.holds(opt))
+
+    # -- where the entries are bound --------------------------------------------------------------
+    def streamed_entries(self) -> Iterator[Tuple[Part, Bindings, Entry]]:
+        for part in self.parts:
+            b = part.bindings
+            for bundle in part.bundles:
+                if not bundle.resident:
+                    for e in bundle.entries:
+                        if not e.dropped:
+                            yield part, b, e
+
+    def away(self) -> Iterator[tuple]:
+        """(part, bindings, entry, tensor) of every streamed entry bound elsewhere than its host view."""
+        for part, b, e in self.streamed_entries():
+            t = b.get(e)
+            if t is not None and not same(t, e.host):
+                yield part, b, e, t
+
+    def on_host(self) -> bool:
+        """Every streamed entry that exists is bound to its host view."""
+        return next(self.away(), None) is None
+
+    # -- figures ----------------------------------------------------------------------------------
+    @property
+    def window_bytes(self) -> int:
+        return layout.window_bytes(self.chunks)
+
+    @property
+    def bytes(self) -> int:
+        """What moves each way per step."""
+        return sum(e.nbytes for part in self.parts for bd in part.bundles if not bd.resident
+                   for e in bd.entries if not e.dropped)
+
+    @property
+    def resident_bytes(self) -> int:
+        """What a memory budget keeps on the GPU instead."""
+        return sum(e.nbytes for part in self.parts for bd in part.bundles if bd.resident
+                   for e in bd.entries if not e.dropped)
+
+    @property
+    def master_bytes(self) -> int:
+        return sum(e.nbytes for part in self.parts for e in part.entries() if e.kind == MASTER)
+
+    @property
+    def tensors(self) -> int:
+        return sum(len(part.entries()) for part in self.parts)
+
+    def optimizers(self) -> List[str]:
+        return [contracts.describe(inner) for inner in (p._inner() for p in self.parts) if inner is not None]

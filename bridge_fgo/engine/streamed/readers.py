@@ -1,0 +1,174 @@
+"""Who reads or writes the optimizer states between updates, and what they are allowed to see.
+
+- Megatron-Core's DistributedOptimizer methods that read or write optimizer state from the host side
+  (READERS) are wrapped on the instances while the last update's device-to-host copies (the tail)
+  are in flight: the first call waits for them, then every guard goes.
+- Torn states (an update failed after it had begun writing): the guards stay, checkpoint saves and
+  optimizer steps are refused until a checkpoint load makes the states whole again.
+- Loads write into the host views: each inner optimizer's load_state_dict and the DistributedOptimizer's
+  reload_model_params are hooked from prepare() to close() (load_hooks), keeping whatever was bound
+  before them.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import weakref
+from typing import Callable, Optional
+
+from ...errors import BridgeFGOError
+from ...log import logger, rank_prefix
+from .. import update as subset
+from .plan import Plan
+from .transfers import Transfers
+
+READERS = ("state_dict", "load_state_dict", "sharded_state_dict", "save_parameter_state",
+           "load_parameter_state", "get_parameter_state_dp_reshardable", "get_parameter_state_dp_zero",
+           "get_parameter_state_fs_bucket_space", "load_parameter_state_from_dp_reshardable",
+           "load_parameter_state_from_dp_zero", "load_parameter_state_from_fs_bucket_space",
+           "reload_model_params", "_copy_model_params_to_main_params", "offload_to_cpu", "restore_from_cpu",
+           "get_parameters")
+# Of those, what saves and what loads a checkpoint, for torn states. sharded_state_dict saves, or with
+# is_loading builds what a load fills; Bridge's load then always calls load_state_dict
+SAVES = ("state_dict", "save_parameter_state", "get_parameter_state_dp_reshardable", "get_parameter_state_dp_zero",
+         "get_parameter_state_fs_bucket_space")
+LOADS = ("load_state_dict", "load_parameter_state", "load_parameter_state_from_dp_reshardable",
+         "load_parameter_state_from_dp_zero", "load_parameter_state_from_fs_bucket_space")
+TORN_FIX = ("Fix: resume from the last checkpoint (restart the run from it, or load it into this optimizer: a "
+            "checkpoint load clears this)")
+
+
+def _is_loading(method, opt, args, kwargs) -> bool:
+    """sharded_state_dict(..., is_loading=...) as called (ChainedOptimizer passes it by position)."""
+    try:
+        bound = inspect.signature(method).bind(opt, *args, **kwargs)
+    except TypeError:
+        return False
+    bound.apply_defaults()
+    return bool(bound.arguments.get("is_loading"))
+
+
+def _hook(readers_ref, method: str, name: str, owner_ref, prior, *args, **kwargs):
+    """A hook on the optimizer method `name`: Readers' `method`, or, once the engine is gone, what was
+    bound before it (the class's own method when nothing was)."""
+    readers = readers_ref()
+    if readers is not None:
+        return getattr(readers, method)(owner_ref, prior, *args, **kwargs)
+    if prior is not None:
+        return prior(*args, **kwargs)
+    owner = owner_ref()
+    return getattr(type(owner), name)(owner, *args, **kwargs)
+
+
+class Readers:
+    def __init__(self, plan: Plan, transfers: Transfers, synchronize: Callable[[], None]):
+        self.plan = plan
+        self.transfers = transfers
+        self._synchronize = synchronize  # the engine's: waits for the tail, marks torn if that fails
+        self.guards = subset.Shadows()  # READERS wrapped while the tail is in flight or states torn
+        self._loaders = subset.Shadows()  # load hooks, from prepare() to close()
+        # Why the states are torn (an update failed after it had begun writing): until a checkpoint is
+        # loaded, no step and no checkpoint save
+        self.torn: Optional[str] = None
+        self._loading = False  # inside a load reader while torn: Megatron-Core's own nested calls pass
+        # a load of the model only is coming: states made from the parameters (TE's master_param) must
+        # be made from the loaded ones, after it
+        self.states_after_load = False
+
+    # -- guards between updates -------------------------------------------------------------------
+    def guard(self) -> None:
+        """READERS wrapped on the instances (and, while torn, the inner optimizers' step())."""
+        self.guards.restore()
+        for part in self.plan.parts:
+            opt = part.opt
+            for name in READERS:
+                if callable(getattr(type(opt), name, None)):
+                    # the optimizer holds the guard: the guard holds it weakly
+                    self.guards.set(opt, name, functools.partial(self._guarded, weakref.ref(opt), name))
+            if self.torn is not None:
+                self.guards.set(part.inner, "step", self._torn_step)
+
+    def drop_guards(self) -> None:
+        if self.torn is None:  # torn states keep their guards until a load
+            self.guards.restore()
+
+    def _guarded(self, opt_ref, name, *args, **kwargs):
+        opt = opt_ref()
+        if self.torn is None:
+            self._synchronize()  # drops every guard: later calls go straight to Megatron-Core
+            return getattr(opt, name)(*args, **kwargs)
+        method = getattr(type(opt), name)
+        if self._loading:  # Megatron-Core's own calls inside a load (sharded_state_dict calls state_dict)
+            return method(opt, *args, **kwargs)
+        loads = name in LOADS or (name == "sharded_state_dict" and _is_loading(method, opt, args, kwargs))
+        if not loads and (name in SAVES or name == "sharded_state_dict"):
+            raise self.refusal(f"{type(opt).__name__}.{name}(), a checkpoint save of the optimizer states,")
+        self._synchronize()
+        if not loads:
+            return method(opt, *args, **kwargs)
+        self._loading = True
+        try:
+            out = method(opt, *args, **kwargs)
+        finally:
+            self._loading = False
+        if name in LOADS:  # sharded_state_dict(is_loading=True) only builds what the load then fills
+            self.torn = None
+            self.guards.restore()
+            logger.info("%s%s.%s() loaded a checkpoint: the optimizer states are whole again", rank_prefix(),
+                        type(opt).__name__, name)
+        return out
+
+    def _torn_step(self, *args, **kwargs):
+        raise self.refusal("an optimizer step")
+
+    def refusal(self, what: str) -> BridgeFGOError:
+        return BridgeFGOError(f"{rank_prefix()}{what} refused: {self.torn}. {TORN_FIX}")
+
+    # -- loads into the host views ----------------------------------------------------------------
+    def hook_loads(self) -> None:
+        """Each inner optimizer's load_state_dict and each DistributedOptimizer's reload_model_params,
+        keeping what was bound there before (e.g. Bridge's memory-efficient loader). The optimizers
+        hold these hooks, the hooks hold these readers and the optimizers weakly."""
+        me = weakref.ref(self)
+        for part in self.plan.parts:
+            for owner, name, method in ((part.inner, "load_state_dict", "_inner_load"),
+                                        (part.opt, "reload_model_params", "_reload_model_params")):
+                prior = owner.__dict__.get(name)
+                self._loaders.set(owner, name, functools.partial(_hook, me, method, name, weakref.ref(owner), prior))
+
+    def unhook_loads(self) -> None:
+        self._loaders.restore()
+
+    def _inner_load(self, inner_ref, prior, *args, **kwargs):  # through _hook
+        """The inner optimizer's load_state_dict, then its states back in their host views at once.
+        Transformer Engine's loader makes every state anew (where the parameter is: the host), and
+        Megatron-Core builds the sharded tensors torch_dist fills right after its own round trip
+        through it (sharded_state_dict with is_loading): so the load writes into the pinned buffer."""
+        inner = inner_ref()
+        result = prior(*args, **kwargs) if prior is not None else type(inner).load_state_dict(inner, *args, **kwargs)
+        if self.transfers.buffer is not None:
+            self.transfers.take_all()
+        return result
+
+    def _reload_model_params(self, opt_ref, prior, *args, **kwargs):  # through _hook
+        """Megatron-Core's reload_model_params (Bridge calls it after a load without optimizer state:
+        finetuning, a release or HF checkpoint): the masters it holds are refreshed from the loaded
+        weights where they are, the host views; states the optimizer derives from the parameters and
+        Megatron-Core does not reload (TE's master_param) are made again as its first step makes them."""
+        opt = opt_ref()
+        part = self.plan.part_of(opt)
+        result = prior(*args, **kwargs) if prior is not None else type(opt).reload_model_params(opt, *args, **kwargs)
+        inner = part.inner
+        for bundle in part.bundles:
+            if inner.state.get(bundle.param):
+                part.contract.reload_from_param(inner, bundle.param)
+        return result
+
+    def after_load(self) -> None:
+        """A checkpoint load ran: what it bound elsewhere than the host views (Transformer Engine's
+        loader makes new tensors) is copied into them now, and its memory freed."""
+        self._synchronize()
+        self.transfers.take_all()
+        if self.states_after_load:
+            self.states_after_load = False
+            self.transfers.materialize()

@@ -1,0 +1,253 @@
+"""The streamed step's memory and every copy between host and GPU: the pinned host buffer with each
+entry's host view, the GPU window, the chunks' copies (ordered by events, copies.py), and states
+taken into their host views (at construction, after a load, at the first step) or given back to
+the GPU (a memory budget, unpatch).
+
+The tail: the last chunks' device-to-host copies may still be in flight when train_step returns (they
+overlap the next forward). `tail` is the last of them until someone waits (wait_all).
+"""
+from __future__ import annotations
+
+import logging
+from typing import List
+
+from ... import hostmem
+from ...errors import BridgeFGOError
+from ...log import once, rank_prefix
+from .. import construction, copies as copies_mod
+from ..tensors import MASTER, Bindings, Entry, owns_storage, same
+from .plan import Part, Plan
+
+WARM_BYTES = 32 * 2**20  # the first DMA pass's GPU scratch: small, it adds to the setup peak
+
+
+class Transfers:
+    def __init__(self, plan: Plan):
+        self.plan = plan
+        self.buffer = None
+        self.copies = None
+        self.window = None
+        self.tail = None  # the last device-to-host copy of the last update
+        self.adopted: List[object] = []  # GPU tensors copied to the host, freed at release()
+        self.started: set = set()  # chunk indices whose host-to-device copy was started this update
+        self.host_wait = copies_mod.Stopwatch()
+
+    @property
+    def device(self):
+        return self.plan.device
+
+    # -- the host buffer --------------------------------------------------------------------------
+    def pin(self) -> None:
+        """The host buffer pinned once, for the plan; each entry's host view in it; the window."""
+        self.buffer = hostmem.pin(self.plan.lay_out())
+        for part in self.plan.parts:
+            for e in part.entries():
+                e.host = self.buffer.tensor[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape)
+        self.copies = copies_mod.copies_for(self.device)
+        self.new_window()
+
+    def new_window(self) -> None:
+        self.window = copies_mod.Window(self.copies, self.plan.window_bytes, self.device)
+
+    def warm(self) -> None:
+        """One DMA pass over the buffer, so the first step does not pay for first use of the pages."""
+        import torch
+
+        nbytes = self.buffer.nbytes
+        if not nbytes:
+            return
+        scratch = torch.empty(min(nbytes, WARM_BYTES), dtype=torch.uint8, device=self.device)
+        after = [self.copies.compute_event()]  # the scratch was allocated on the compute stream
+        for start in range(0, nbytes, scratch.numel()):
+            piece = self.buffer.tensor[start:start + scratch.numel()]
+            self.copies.copy("h2d", scratch[:piece.numel()], piece, after)
+        self.copies.host_wait_all()
+        del scratch
+
+    def free(self) -> None:
+        for part in self.plan.parts:
+            for e in part.entries():
+                e.host = None
+        self.buffer.free()
+        self.buffer = None
+        self.window = None
+
+    # -- states into their host views -------------------------------------------------------------
+    def take(self, part: Part, b: Bindings, e: Entry, t) -> None:
+        """Copy `t` (what `e` is bound to) into e's host view now and bind the view; free t's memory.
+        A master keeps a storage-less tensor on the compute device as its shell (reload binds it)."""
+        self.check_takeover(part, e, t)
+        e.host.copy_(t.detach())
+        old = t.data  # a master is rebound in place (`master.data = view`): keep what it was bound to
+        on_device = old.device == self.device
+        if e.kind == MASTER:
+            part.shells[id(e.param)] = old if on_device else self.new_shell(e)
+            construction.unstage(e.param)
+        b.set(e, e.host)
+        if on_device and (e.kind == MASTER or owns_storage(old)):
+            old.untyped_storage().resize_(0)  # shared by anyone still holding the old tensor: freed for all
+
+    def new_shell(self, e: Entry):
+        """A tensor on the compute device with e's shape and no storage: what reload() binds a master
+        to so Megatron-Core can attach its fp32 gradient (for a master that never lived there)."""
+        import torch
+
+        shell = torch.empty(e.shape, dtype=e.dtype, device=self.device)
+        shell.untyped_storage().resize_(0)
+        return shell
+
+    def take_all(self) -> None:
+        for part, b, e, t in list(self.plan.away()):
+            self.take(part, b, e, t)
+
+    def materialize(self) -> None:
+        """Every planned state the optimizer has not created yet, created by the optimizer's own code
+        (contracts.py), one parameter at a time, and taken into its host view: from here on a state
+        is never whole on the GPU, and a checkpoint load writes into the host views.
+
+        Only for the optimizers that keep their step count in the param group (TE's and apex's
+        FusedAdam). torch AdamW keeps a step per parameter, and Megatron-Core loads it only into an
+        optimizer that has not stepped, through a path that fails loudly without a fix
+        (scripts/resume_fix.py); states made here would turn that failure into a resume with the wrong
+        step. Its states are made by its first step, inside the window, or by the load (on the host,
+        where its masters are) and taken into their host views at once (readers.py)."""
+        for part in self.plan.parts:
+            if not part.contract.group_step:
+                continue
+            inner, b = part.inner, part.bindings
+            for bundle in part.bundles:
+                if bundle.resident or not any(e.kind != MASTER for e in bundle.entries):
+                    continue
+                if inner.state.get(bundle.param):
+                    continue  # created already (a load, an earlier step): taken by take_all
+                part.contract.create(inner, bundle.param, inner.param_groups[bundle.group], self.device)
+                for e in bundle.entries:
+                    t = b.get(e)
+                    if e.kind == MASTER or e.dropped or t is None or same(t, e.host):
+                        continue
+                    if tuple(t.shape) != e.shape or t.dtype != e.dtype:
+                        keep(part, b, e, e.host)  # unlike the plan: dropped, with the warning
+                        b.set(e, t.to(self.device))  # and on the device, where the update reads it
+                        continue
+                    self.take(part, b, e, t)
+
+    def check_takeover(self, part: Part, e: Entry, t) -> None:
+        """release() frees the storage of whatever is taken over: a tensor unlike the plan is refused
+        before anything is copied or freed."""
+        if tuple(t.shape) != e.shape:
+            why = f"has shape {tuple(t.shape)}, not {e.shape}"
+        elif t.dtype != e.dtype:
+            why = f"is {t.dtype}, not {e.dtype}"
+        elif t.device != self.device and t.device.type != "cpu":
+            why = f"is on {t.device}, not {self.device} or the host"
+        elif not t.untyped_storage().nbytes():
+            why = "has no storage (it was freed): there is nothing to copy"
+        elif not owns_storage(t):
+            why = ("does not own its storage (a view of a larger tensor): freeing it would free memory that "
+                   "other tensors use")
+        else:
+            return
+        raise BridgeFGOError(
+            f"{rank_prefix()}bridge_fgo cannot take over the {e.name} of a parameter of shape "
+            f"{part.shape(e.param)} ({part.contract.name}): the tensor bound there {why}. Nothing was "
+            "copied or freed. Fix: bind only states this optimizer makes itself (e.g. load a checkpoint saved "
+            "with this model and optimizer configuration), or use chunk_mb=0, whose one window moves whatever "
+            "states exist")
+
+    def adopt(self) -> None:
+        """Whatever is bound elsewhere than its host view (the first step; states a checkpoint load put
+        on the GPU) copied to the view and bound there once whole; its GPU storage freed at release()."""
+        pending = list(self.plan.away())
+        if not pending:
+            return
+        for part, _, e, t in pending:
+            self.check_takeover(part, e, t)
+        after = [self.copies.compute_event(), self.tail]
+        last = None
+        for _, _, e, t in pending:
+            last = self.copies.copy("d2h", e.host, t.detach(), after)
+        with self.host_wait:  # once per adoption (the first step, a load): the host copy is whole
+            self.copies.host_wait(last)
+        for part, b, e, t in pending:  # bound to the host only once its copy is whole
+            if e.kind == MASTER:
+                part.shells[id(e.param)] = e.param.data  # keeps the GPU tensor: its storage is freed below
+            self.adopted.append(e.param.data if e.kind == MASTER else t)
+            b.set(e, e.host)
+
+    def release(self) -> bool:
+        """Free the GPU storage of what adopt() took over; whether there was any."""
+        adopted, self.adopted = self.adopted, []
+        for t in adopted:
+            self.copies.free_after(t, self.tail)
+            t.untyped_storage().resize_(0)  # shared by anyone still holding the old tensor: freed for all
+        return bool(adopted)
+
+    def to_device(self, part: Part, b: Bindings, e: Entry) -> None:
+        """An entry back on the GPU as an ordinary tensor (a master in its own GPU tensor again)."""
+        if e.kind == MASTER:
+            shell = part.shells.pop(id(e.param), None)
+            if shell is not None:
+                shell.untyped_storage().resize_(e.nbytes)
+                shell.copy_(e.host)
+                e.param.data = shell
+            else:
+                e.param.data = e.host.to(self.device, copy=True)
+        else:
+            b.set(e, e.host.to(self.device, copy=True))
+
+    # -- the chunks' copies -----------------------------------------------------------------------
+    def h2d(self, index: int) -> None:
+        """Start chunk `index`'s host-to-device copy into its window slot (once per update)."""
+        chunks = self.plan.chunks
+        if index in self.started or index >= len(chunks):
+            return
+        chunk = chunks[index]
+        slot = self.window.slot(index, chunk.nbytes)
+        # the slot's memory is free on the compute stream, the chunk that was in it has left it, and
+        # the host data is whole (the previous update's last copies)
+        after = [self.copies.compute_event(), slot.d2h_done, self.tail]
+        for start, end, at in chunk.spans:
+            done = self.copies.copy("h2d", slot.view[at:at + end - start], self.buffer.tensor[start:end], after)
+        slot.h2d_done = done
+        self.started.add(index)
+
+    def d2h(self, chunk, slot) -> None:
+        """Chunk's device-to-host copy, after what the compute stream has done to its slot: the tail."""
+        after = [self.copies.compute_event()]
+        for start, end, at in chunk.spans:
+            done = self.copies.copy("d2h", self.buffer.tensor[start:end], slot.view[at:at + end - start], after)
+        slot.d2h_done = self.tail = done
+
+    @staticmethod
+    def views(chunk, slot) -> List[tuple]:
+        """(entry, its view in the window slot) of every entry of the chunk."""
+        out = []
+        for bundle in chunk.bundles:
+            for e in bundle.entries:
+                at = chunk.window_offset[id(e)]
+                out.append((e, slot.view[at:at + e.nbytes].view(e.dtype).view(e.shape)))
+        return out
+
+    def wait_all(self) -> None:
+        """Every copy in flight done (the tail included); may raise what a copy raised."""
+        if self.copies is not None:
+            with self.host_wait:
+                self.copies.host_wait_all()
+        self.tail = None
+
+
+def keep(part: Part, b: Bindings, e: Entry, view) -> None:
+    """After an update (or a creation): a state the optimizer created as planned is copied into
+    `view`; one unlike the plan stays where the optimizer put it, with a warning."""
+    if e.dropped:
+        return
+    t = b.get(e)
+    if t is None or same(t, view):
+        return
+    if tuple(t.shape) == e.shape and t.dtype == e.dtype and type(t).__name__ in ("Tensor", "Parameter"):
+        view.copy_(t)
+        return
+    e.dropped = True
+    once(("unplanned", part.index, e.kind, e.key), logging.WARNING,
+         "%s%s made %s of a parameter as %s %s, not the planned %s %s: it stays on the GPU (%d bytes)",
+         rank_prefix(), part.contract.name, e.name, t.dtype, tuple(t.shape), e.dtype, e.shape, e.nbytes)
