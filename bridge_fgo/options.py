@@ -19,10 +19,20 @@ from .errors import BridgeFGOOptionError
 # off: patch, but never offload (a baseline through the same code path).
 OFFLOAD_MODES = ("auto", "builtin", "off")
 # The builtin engine's window: how many MB of states it moves at a time (0 = all in one window).
-DEFAULT_CHUNK_MB = 256
+# auto: the first step runs with FIRST_CHUNK_MB, then the window is sized from what that step measured
+# (engine/sizing.py), never below FIRST_CHUNK_MB.
+AUTO = "auto"
+DEFAULT_CHUNK_MB = AUTO
+FIRST_CHUNK_MB = 256
 
-__all__ = ["ENV_PREFIX", "OFFLOAD_MODES", "DEFAULT_CHUNK_MB", "Option", "OPTIONS", "Options", "env_name",
-           "flag_name", "from_env", "known_env", "unknown_env", "how_to_set", "option"]
+__all__ = ["ENV_PREFIX", "OFFLOAD_MODES", "AUTO", "DEFAULT_CHUNK_MB", "FIRST_CHUNK_MB", "Option", "OPTIONS",
+           "Options", "env_name", "flag_name", "from_env", "known_env", "unknown_env", "how_to_set", "option",
+           "first_chunk_mb"]
+
+
+def first_chunk_mb(chunk_mb) -> int:
+    """The window (MB) a chunk_mb value starts with: itself, or auto's first step's."""
+    return FIRST_CHUNK_MB if chunk_mb == AUTO else chunk_mb
 
 
 def flag_name(name: str) -> str:
@@ -51,18 +61,22 @@ def _bool_text(opt: "Option", raw: str, source: str) -> bool:
     )
 
 
-def _count(opt: "Option", value, source: str) -> int:
+def _chunk(opt: "Option", value, source: str):
+    if value == AUTO:
+        return AUTO
     # bool is an int to Python, and 1.0 would be silently truncated: only a true int is a size
     if type(value) is not int or value < 0:
-        raise BridgeFGOOptionError(f"{source}={value!r} is not {opt.what}; allowed: an integer >= 0 "
-                                   "(0 = one window)")
+        raise BridgeFGOOptionError(f"{source}={value!r} is not {opt.what}; allowed: {AUTO!r} (sized from the "
+                                   "run), or an integer >= 0 (0 = one window)")
     return value
 
 
-def _count_text(opt: "Option", raw: str, source: str) -> int:
+def _chunk_text(opt: "Option", raw: str, source: str):
     text = raw.strip()
+    if text.lower() == AUTO:
+        return AUTO
     value = int(text) if re.fullmatch(r"[+-]?[0-9]+", text) else raw
-    return _count(opt, value, source)
+    return _chunk(opt, value, source)
 
 
 def _gib(opt: "Option", value, source: str):
@@ -119,12 +133,14 @@ OPTIONS: Tuple[Option, ...] = (
                 "instead of a warning"),
     Option("disable", False, what="a boolean", check=_as_is, parse=_bool_text, is_flag=True, in_status=False,
            help="patch nothing (escape hatch); the command still runs"),
-    Option("chunk_mb", DEFAULT_CHUNK_MB, what="a window size in MB", check=_count, parse=_count_text, metavar="N",
-           help="the builtin engine's window: MB of optimizer states moved at a time (0 = one window)"),
+    Option("chunk_mb", DEFAULT_CHUNK_MB, what="a window size in MB", check=_chunk, parse=_chunk_text, metavar="N",
+           help=f"the builtin engine's window: MB of optimizer states moved at a time (0 = one window); auto: "
+                f"{FIRST_CHUNK_MB} for the first step, then as large as the memory that step measured allows "
+                "without raising the run's peak"),
     Option("gpu_budget_gib", None, what="a GPU memory budget", check=_gib, parse=_gib_text, metavar="GIB",
            help="the builtin engine keeps as many parameters' optimizer states on the GPU as fit under this "
-                "peak (GiB, per rank, judged by the first step's measured peak) and streams only the rest; "
-                "unset: everything is offloaded. Needs chunk_mb > 0"),
+                "peak (GiB, per rank, planned from the run's allocated peak through the first step) and streams "
+                "only the rest; unset: everything is offloaded. Needs the streamed step (chunk_mb auto or > 0)"),
 )
 _BY_NAME = {o.name: o for o in OPTIONS}
 
@@ -139,7 +155,7 @@ def _validate(self) -> None:
     if self.gpu_budget_gib is not None and self.chunk_mb == 0:
         raise BridgeFGOOptionError(f"gpu_budget_gib={self.gpu_budget_gib!r} needs the streamed step: chunk_mb=0 "
                                    "(one window) brings every state back for the optimizer step; drop the budget "
-                                   f"or set chunk_mb > 0 (default {DEFAULT_CHUNK_MB})")
+                                   f"or set chunk_mb to {AUTO!r} (the default) or > 0")
 
 
 Options = dataclasses.make_dataclass(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import textwrap
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Union
 
 # outcome values
 PENDING = "pending"  # hook registered; Bridge's train module not imported yet
@@ -23,7 +23,7 @@ class Report:
     strict: bool
     generation: Optional[str]
     versions: Dict[str, Optional[str]]
-    chunk_mb: Optional[int] = None  # the builtin engine's window (options.DEFAULT_CHUNK_MB unless set)
+    chunk_mb: Union[int, str, None] = None  # the builtin engine's window: MB, or "auto" (the default)
     gpu_budget_gib: Optional[float] = None  # the builtin engine's GPU budget (None: offload everything)
     host_memory: Optional[str] = None  # what the builtin engine may pin on this node (diagnose only)
     inner_optimizer: Optional[str] = None  # the Adam class Megatron-Core builds here (diagnose only)
@@ -55,7 +55,8 @@ class Report:
         rows = [("patched", patched), ("outcome", outcome), ("offload mode", self.mode),
                 ("strict", "yes" if self.strict else "no")]
         if self.chunk_mb is not None:
-            rows.append(("builtin engine window", f"{self.chunk_mb} MB" if self.chunk_mb else "0 (one window)"))
+            rows.append(("builtin engine window", "0 (one window)" if not self.chunk_mb else
+                         self.chunk_mb if isinstance(self.chunk_mb, str) else f"{self.chunk_mb} MB"))
             rows.append(("builtin engine GPU budget", f"{self.gpu_budget_gib:g} GiB" if self.gpu_budget_gib
                          else "none (everything offloaded)"))
         if self.host_memory:

@@ -116,7 +116,8 @@ def run(args):
                 torch.cuda.current_stream().synchronize()
                 recs[-1]["fwdbwd_peak_gib"] = torch.cuda.max_memory_allocated() / GIB
                 recs[-1]["t_finalize"] = time.perf_counter()
-                torch.cuda.reset_peak_memory_stats()
+                if len(recs) > 1:  # see fb_probe
+                    torch.cuda.reset_peak_memory_stats()
                 return base(*fa, **fk)
 
             cfg.finalize_model_grads_func, cfg._bench_probe = probe, True
@@ -128,16 +129,27 @@ def run(args):
             recs[-1]["pre_fwdbwd_peak_gib"] = torch.cuda.max_memory_allocated() / GIB
             recs[-1]["alloc_fwdbwd_entry_gib"] = torch.cuda.memory_allocated() / GIB
             recs[-1]["t_fwdbwd"] = time.perf_counter()
-            torch.cuda.reset_peak_memory_stats()
+            # Not inside the first iteration: bridge_fgo reads the allocator's peak through its first
+            # step (chunk_mb=auto, gpu_budget_gib; engine/firststep.py). Its phase peaks are then
+            # cumulative from the iteration's start (phase_peaks="cumulative")
+            if len(recs) > 1:
+                torch.cuda.reset_peak_memory_stats()
             return fbf(*fa, **fk)
 
         a[3] = fb_probe
         torch.cuda.synchronize()
-        recs.append({"iter": len(recs) + 1})
+        recs.append({"iter": len(recs) + 1, "phase_peaks": "cumulative" if not recs else "per phase"})
         stats0 = torch.cuda.memory_stats()
         torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
-        out = inner_step(forward_step_func, data_iterator, model, optimizer, *a, **k)
+        if args.profile_iter == len(recs):  # this iteration under torch.profiler: its op tables beside --out
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                    torch.profiler.ProfilerActivity.CUDA]) as prof:
+                out = inner_step(forward_step_func, data_iterator, model, optimizer, *a, **k)
+                torch.cuda.synchronize()
+            write_profile(prof, (args.out or "bench") + f".profile-iter{len(recs)}.txt")
+        else:
+            out = inner_step(forward_step_func, data_iterator, model, optimizer, *a, **k)
         torch.cuda.synchronize()
         r = recs[-1]
         t1 = time.perf_counter()
@@ -474,6 +486,19 @@ SYMBOLIC = {"budget": "half", "fraction": "moved"}
 _TAG = re.compile(r"[A-Za-z0-9._-]+")
 
 
+def write_profile(prof, path):
+    """The profiled iteration's ops, by host time and by device time (top 60 each), and the count of
+    calls per op name: what the streamed step pays per chunk beyond its copies."""
+    averages = prof.key_averages()
+    with open(path, "w") as f:
+        for key in ("self_cpu_time_total", "self_device_time_total"):
+            try:
+                f.write(f"## sorted by {key}\n" + averages.table(sort_by=key, row_limit=60) + "\n\n")
+            except (AttributeError, KeyError, RuntimeError):  # older torch names it self_cuda_time_total
+                f.write(f"## sorted by self_cuda_time_total\n"
+                        + averages.table(sort_by="self_cuda_time_total", row_limit=60) + "\n\n")
+
+
 def parse_modes(text):
     """'base,builtin:256,builtin:256+budget=16.2,dev-auto:256+fraction=0.5' -> one dict per run: tag,
     mode, chunk_mb, dev, env (variables for that run), args (extra `run` arguments), extras. A mode may
@@ -688,6 +713,7 @@ def run_all(args):
         cmd += ["--recompute"] if args.recompute else []
         cmd += ["--fp16"] if args.fp16 else []
         cmd += ["--bypass-te-adam-check"] if args.bypass_te_adam_check else []
+        cmd += ["--profile-iter", str(args.profile_iter)] if args.profile_iter else []
         with open(log, "w") as f:
             f.write("$ " + " ".join(f"{k}={v}" for k, v in run["env"].items()) + (" " if run["env"] else "")
                     + " ".join(cmd) + "\n")
@@ -757,6 +783,7 @@ def main():
     r.add_argument("--heads", type=int, default=16)
     r.add_argument("--groups", type=int, default=8)
     r.add_argument("--out")
+    r.add_argument("--profile-iter", type=int, help="profile this iteration (torch.profiler): OUT.profile-iterN.txt")
     a = sub.add_parser("all")
     a.add_argument("--out-dir", required=True)
     a.add_argument("--iters", type=int, default=10)
@@ -771,6 +798,7 @@ def main():
     a.add_argument("--fp16", action="store_true")
     a.add_argument("--bandwidth", action="store_true", help="also measure pinned host<->device bandwidth")
     a.add_argument("--bypass-te-adam-check", action="store_true")
+    a.add_argument("--profile-iter", type=int, help="each run profiles this iteration (see run)")
     args = ap.parse_args()
     if args.precision_aware and args.optimizer != "te":
         ap.error("--precision-aware needs --optimizer te (Megatron-Core takes it only from Transformer Engine's FusedAdam)")

@@ -50,7 +50,12 @@ def test_every_option_reaches_patch_the_environment_and_both_commands():
 
 
 def test_chunk_mb_default_and_values():
-    assert DEFAULT_CHUNK_MB == 256 and Options().chunk_mb == 256
+    assert DEFAULT_CHUNK_MB == "auto" and Options().chunk_mb == "auto"
+    assert options.first_chunk_mb("auto") == options.FIRST_CHUNK_MB == 256 and options.first_chunk_mb(64) == 64
+    for raw in ("auto", " AUTO ", "Auto"):
+        assert options.from_env({"BRIDGE_FGO_CHUNK_MB": raw}).chunk_mb == "auto"
+    assert bridge_fgo.patch(chunk_mb="auto").chunk_mb == "auto"
+    bridge_fgo.unpatch()
     assert bridge_fgo.patch(chunk_mb=0).chunk_mb == 0
     bridge_fgo.unpatch()
     assert options.from_env({"BRIDGE_FGO_CHUNK_MB": " 64 "}).chunk_mb == 64
@@ -59,8 +64,8 @@ def test_chunk_mb_default_and_values():
 
 @pytest.mark.parametrize("bad", BAD_CHUNK_MB, ids=repr)
 def test_bad_chunk_mb_in_patch(bad):
-    with pytest.raises(BridgeFGOOptionError, match=r"chunk_mb=.* is not a window size in MB; allowed: an integer "
-                                                   r">= 0 \(0 = one window\)") as err:
+    with pytest.raises(BridgeFGOOptionError, match=r"chunk_mb=.* is not a window size in MB; allowed: 'auto' \(sized "
+                                                   r"from the run\), or an integer >= 0 \(0 = one window\)") as err:
         bridge_fgo.patch(chunk_mb=bad)
     assert isinstance(err.value, ValueError) and not bridge_fgo.is_patched()
 
@@ -112,17 +117,21 @@ def test_status_shows_the_window(train_module):
     assert report.to_dict()["chunk_mb"] == 0
     assert "builtin engine window 0 (one window)" in " ".join(str(report).split())
     assert "builtin engine window 512 MB" in " ".join(str(diagnose_mod.diagnose(Options(chunk_mb=512))).split())
+    assert "builtin engine window auto" in " ".join(str(diagnose_mod.diagnose(Options())).split())
 
 
 def test_launcher_exports_and_refuses_chunk_mb(tmp_path):
     proc = command(["bridge-fgo-run", "--chunk-mb", "64", "--print-env"])
     assert proc.returncode == 0 and "export BRIDGE_FGO_CHUNK_MB=64" in proc.stdout.splitlines()
+    proc = command(["bridge-fgo-run", "--chunk-mb", "auto", "--print-env"])
+    assert proc.returncode == 0 and "export BRIDGE_FGO_CHUNK_MB=auto" in proc.stdout.splitlines()
     marker = tmp_path / "ran"
     for args, env in ((["--chunk-mb", "-3"], {}), (["--chunk-mb", "1.5"], {}), ([], {"BRIDGE_FGO_CHUNK_MB": "x"})):
         proc = command(["bridge-fgo-run", *args, "python", "-c", "open(__import__('sys').argv[1], 'w')",
                         str(marker)], env=env)
         assert proc.returncode == 2, proc.stderr
-        assert "is not a window size in MB; allowed: an integer >= 0 (0 = one window)" in proc.stderr
+        assert ("is not a window size in MB; allowed: 'auto' (sized from the run), or an integer >= 0 (0 = one window)"
+                in proc.stderr)
         assert not marker.exists()
 
 

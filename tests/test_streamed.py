@@ -48,10 +48,31 @@ def make(seed=0, **kw):
     return opt
 
 
-def engine_for(opt, chunk_bytes=2000, budget=None):
-    engine = StreamedEngine([opt], chunk_bytes, budget)
+def engine_for(opt, chunk_bytes=2000, budget=None, auto=False):
+    engine = StreamedEngine([opt], chunk_bytes, budget, auto=auto)
     engine.prepare()
     return engine
+
+
+def measured(**figures):
+    """A probe that reads the given allocated figures (firststep.FirstStep's fields), as a GPU would."""
+    from bridge_fgo.engine import firststep
+
+    class Given(firststep.Probe):
+        def at_offload(self, device):
+            if not self.done:
+                self.first.before = figures["before"]
+
+        def at_reload(self, device):
+            if not self.done:
+                self.first.backward, self.first.base = figures["backward"], figures["base"]
+
+        def at_step_end(self, device, window, largest_chunk, scratch_per_byte):
+            first = super().at_step_end(device, window, largest_chunk, scratch_per_byte)
+            first.step = figures["step"]
+            return first
+
+    return Given()
 
 
 def step(opt, engine=None, wait=True):
@@ -631,19 +652,22 @@ def test_budget_needs_the_streamed_step():
         bridge_fgo.patch(offload="builtin", chunk_mb=0, gpu_budget_gib=10)
 
 
-def test_a_budget_below_the_offloaded_peak_keeps_everything_offloaded_and_says_so(monkeypatch, caplog):
-    """On a GPU the step is judged by what the allocator held; here that measurement says 1 GiB."""
+def test_a_budget_below_the_offloaded_peak_keeps_everything_offloaded_and_says_so(caplog):
+    """The first step measured a 1 GiB allocated peak with everything offloaded (a GPU's figures,
+    given here): a 0.5 GiB budget cannot be met."""
     from bridge_fgo.engine import budget
+    from bridge_fgo.engine.firststep import FirstStep
 
-    assert budget.choose([], 2**30, 2 * 2**30) is None  # even everything offloaded exceeds the budget
+    assert budget.choose([], 2**30, FirstStep(backward=2 * 2**30, step=2 * 2**30)) is None
     assert budget.margin(12 * 2**30) == 12 * 2**30 // 100 and budget.margin(2**30) == 64 * 2**20
     base, opt = make(), make()
-    monkeypatch.setattr(budget, "held", lambda device, after: (2**30, "GPU memory held (measured)"))
     with caplog.at_level(logging.WARNING, logger="bridge_fgo"):
         engine = engine_for(opt, 600, budget=2**29)
+        engine.probe = measured(before=2**29, backward=2**30, base=2**28, step=2**30)
         for _ in range(3):
             step(base)
             step(opt, engine)
-    assert engine.resident_bytes == 0 and engine.budget_note.startswith("gpu_budget_gib 0.50 GiB cannot be met")
+    assert engine.resident_bytes == 0 and engine.budget_note.startswith(
+        "gpu_budget_gib 0.50 GiB cannot be met: the run's allocated peak with everything offloaded 1.00 GiB")
     assert sum("cannot be met" in m for m in caplog.messages) == 1  # said once
     assert_same(snapshot(base), snapshot(opt))

@@ -20,6 +20,7 @@ import time
 from typing import Dict, List, Optional
 
 from .. import hostmem
+from ..options import AUTO, first_chunk_mb
 from ..log import logger, rank_prefix
 
 MIB = 2**20
@@ -35,8 +36,8 @@ class BuiltinAdapter:
 
         self.chunk_mb = chunk_mb
         budget = None if gpu_budget_gib is None else int(gpu_budget_gib * GIB)
-        self.engine = (StreamedEngine(dist_optimizers, chunk_mb * MIB, budget) if chunk_mb
-                       else OneWindowEngine(dist_optimizers))
+        self.engine = (StreamedEngine(dist_optimizers, first_chunk_mb(chunk_mb) * MIB, budget, auto=chunk_mb == AUTO)
+                       if chunk_mb else OneWindowEngine(dist_optimizers))
         self.fit: Optional[hostmem.HostFit] = None
         self.n_optimizers = len(dist_optimizers)
 
@@ -102,8 +103,9 @@ class BuiltinAdapter:
         if not self.chunk_mb:
             return "window: one (chunk_mb=0: every state back on the GPU for the optimizer step)"
         e = self.engine
-        text = (f"window: {self.chunk_mb} MB chunks, {len(e.chunks)} chunk(s), the step adds at most "
-                f"{e.window_bytes} bytes on the GPU")
+        size = (f"auto ({first_chunk_mb(AUTO)} MB chunks for the first step, then sized from it)" if e.auto
+                else f"{self.chunk_mb} MB chunks")
+        text = f"window: {size}, {len(e.chunks)} chunk(s), the step adds at most {e.window_bytes} bytes on the GPU"
         if e.resident_bytes:
             text += f"; {e.resident_bytes} bytes stay resident (gpu_budget_gib)"
         return text
@@ -124,7 +126,8 @@ class BuiltinAdapter:
         }
         if self.chunk_mb:
             exposed = e.copies.exposed_s if e.copies is not None else []
-            out.update(chunks=len(e.chunks), step_peak_bytes=e.window_bytes, master_bytes=e.master_bytes,
+            out.update(chunks=len(e.chunks), chunk_bytes=e.plan.chunk_bytes, window=e.window_note,
+                       step_peak_bytes=e.window_bytes, master_bytes=e.master_bytes,
                        resident_bytes=e.resident_bytes, budget=e.budget_note, torn=e.torn,
                        exposed_copy_wait_s=sorted(exposed)[len(exposed) // 2] if exposed else None)
         return out

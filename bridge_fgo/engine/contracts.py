@@ -50,6 +50,9 @@ class StateSpec:
 class Contract:
     name = ""  # how messages name the optimizer
     group_step = False  # step count in the param group, advanced once per step() per group
+    # What step() allocates beyond its states, per byte of a chunk's states (sizing.py): the fused
+    # optimizers update in place
+    step_scratch = 0.0
 
     def states(self, inner, p, group) -> List[StateSpec]:
         raise NotImplementedError
@@ -77,6 +80,10 @@ class Contract:
 class TorchAdam(Contract):
     """torch.optim.AdamW / Adam: per-parameter `step` (a 0-dim tensor that stays put), moments like
     the parameter, max_exp_avg_sq with amsgrad."""
+
+    # foreach: one temporary like the parameters (sqrt of exp_avg_sq), per chunk; a chunk holds at
+    # least the two moments of each (the master too, where the parameter is fp16/bf16)
+    step_scratch = 0.5
 
     def __init__(self, name):
         self.name = name

@@ -24,7 +24,7 @@ from .. import agree, peaks
 from . import decide, targets
 from ..errors import BridgeFGOConfigError
 from ..log import logger, rank_prefix
-from ..options import Options
+from ..options import Options, first_chunk_mb
 from .session import Registry, Session
 from .targets import Layout, argument
 
@@ -215,7 +215,7 @@ class CallSites:
 
         peaks.note("setup before the optimizer's construction (the model, its buffers)")
         built = construction.Built()
-        result = construction.build_on_host(wrapped, args, kwargs, self.options.chunk_mb * MIB, built)
+        result = construction.build_on_host(wrapped, args, kwargs, first_chunk_mb(self.options.chunk_mb) * MIB, built)
         peaks.note("optimizer construction")
         if built.masters:
             logger.info("%sfp32 masters made on the host: %d master(s), %d bytes, in %d batch(es) of at most %d "

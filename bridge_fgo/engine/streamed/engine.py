@@ -22,7 +22,7 @@ from typing import Optional
 
 from ...errors import BridgeFGOError
 from ...log import logger, rank_prefix
-from .. import budget
+from .. import budget, firststep, sizing
 from .plan import Plan
 from .readers import TORN_FIX, Readers
 from .transfers import Transfers
@@ -38,14 +38,16 @@ def _weakly(method):
 
 
 class StreamedEngine:
-    def __init__(self, dist_optimizers, chunk_bytes: int, budget_bytes: Optional[int] = None):
+    def __init__(self, dist_optimizers, chunk_bytes: int, budget_bytes: Optional[int] = None, auto: bool = False):
         self.plan = Plan(dist_optimizers, chunk_bytes)
         self.transfers = Transfers(self.plan)
         self.readers = Readers(self.plan, self.transfers, _weakly(self.synchronize))
         self.update = Update(self.plan, self.transfers, self.readers, _weakly(self.synchronize))
         self.budget_bytes = budget_bytes
         self.budget_note: Optional[str] = None
-        self._held_after_backward = 0  # bytes the allocator held right after the first backward (budget)
+        self.auto = auto  # chunk_mb=auto: the window sized after the first step (sizing.py)
+        self.window_note: Optional[str] = None
+        self.probe = firststep.Probe()
         self.setup_peak: Optional[int] = None
         self.steps_streamed = 0
 
@@ -123,18 +125,13 @@ class StreamedEngine:
             return 0
         if self.torn is not None:
             raise self.readers.refusal("an optimizer step")
+        self.probe.at_offload(self.device)
         self.transfers.adopt()
         return self.bytes
 
     def release(self) -> None:
         """After the param-buffer copy: free the GPU storage of what offload() adopted."""
-        if (self.transfers.release() and self.budget_bytes is not None and self.budget_note is None
-                and self.copies.device_copies):
-            import torch
-
-            # The budget is judged by the memory the allocator holds through the first step: give back,
-            # once, what setup left cached (the masters just freed), so that is not counted
-            torch.cuda.empty_cache()
+        self.transfers.release()
 
     def reload(self) -> int:
         """Gradient finalization: arm the update (update.arm)."""
@@ -145,12 +142,7 @@ class StreamedEngine:
             self.offload()
             self.release()
         self.readers.drop_guards()  # the update's own copies are ordered after the tail on the GPU
-        if self.budget_bytes is not None and self.budget_note is None and self.copies.device_copies:
-            import torch
-
-            # right after backward: the caching allocator still holds the forward-backward peak's memory
-            # (only empty_cache gives it back, and Megatron calls that after this point)
-            self._held_after_backward = max(self._held_after_backward, torch.cuda.memory_reserved(self.device))
+        self.probe.at_reload(self.device)
         self.update.arm()
         return self.bytes
 
@@ -185,8 +177,8 @@ class StreamedEngine:
             self.synchronize()
         if self.torn is not None or (not wait and t.tail is not None and was_armed):
             self.readers.guard()
-        if self.budget_bytes is not None and self.steps_streamed == 1 and self.budget_note is None:
-            self._apply_budget()
+        if self.steps_streamed == 1 and not self.probe.done and (self.auto or self.budget_bytes is not None):
+            self._after_first_step()
 
     def synchronize(self) -> None:
         """The host copy is whole and current: wait for every copy in flight."""
@@ -200,14 +192,36 @@ class StreamedEngine:
                 "the optimizer states are torn: their host copy is part of that step, part of the one before"))
         self.readers.drop_guards()
 
-    # -- the memory budget ------------------------------------------------------------------------
-    def _apply_budget(self) -> None:
-        """After the first streamed step: keep resident as many bundles as fit under the budget."""
-        peak, basis = budget.held(self.device, self._held_after_backward)
-        kept = budget.choose([bd for part in self.parts for bd in part.bundles], self.budget_bytes, peak)
+    # -- after the first step: the memory budget, the window ---------------------------------------
+    def _after_first_step(self) -> None:
+        """Once: gpu_budget_gib's resident states, then (chunk_mb=auto) the window, from what the first
+        streamed step measured (firststep.py)."""
+        first = self.probe.at_step_end(self.device, self.window_bytes, max((c.nbytes for c in self.chunks), default=0),
+                                       max((p.contract.step_scratch for p in self.parts), default=0.0))
+        if self.budget_bytes is not None:
+            self._apply_budget(first)
+        if self.auto:
+            size, why = sizing.choose(self._window_at, first, self.bytes)
+            self._window_at(size)
+            self.window_note = (f"window sized from the first step: {why}. {len(self.chunks)} chunk(s), the step adds "
+                                f"at most {self.window_bytes} bytes on the GPU")
+            logger.info("%s%s", rank_prefix(), self.window_note)
+
+    def _window_at(self, chunk_bytes: int):
+        """The plan cut into chunks of at most chunk_bytes, with a window for them: (window bytes, largest
+        chunk). Between updates only (the old window's memory is retired after its copies)."""
+        self.plan.chunk_bytes = chunk_bytes
+        self.plan.cut()
+        self.transfers.new_window()
+        return self.window_bytes, max((c.nbytes for c in self.chunks), default=0)
+
+    def _apply_budget(self, first) -> None:
+        """Keep resident as many bundles as fit under the budget."""
+        kept = budget.choose([bd for part in self.parts for bd in part.bundles], self.budget_bytes, first)
+        basis = f"the run's allocated peak with everything offloaded {budget.peak(first) / GiB:.2f} GiB"
         if kept is None:
-            self.budget_note = (f"gpu_budget_gib {self.budget_bytes / GiB:.2f} GiB cannot be met: the {basis} is "
-                                f"{peak / GiB:.2f} GiB; everything stays offloaded")
+            self.budget_note = (f"gpu_budget_gib {self.budget_bytes / GiB:.2f} GiB cannot be met: {basis}; "
+                                "everything stays offloaded")
             logger.warning("%s%s", rank_prefix(), self.budget_note)
             return
         self.synchronize()
@@ -218,9 +232,8 @@ class StreamedEngine:
                 if not e.dropped and b.get(e) is not None:
                     self.transfers.to_device(part, b, e)
             bundle.resident = True
-        self.plan.cut()
-        self.transfers.new_window()
-        self.budget_note = (f"gpu_budget_gib {self.budget_bytes / GiB:.2f} GiB, {basis} {peak / GiB:.2f} GiB: "
+        self._window_at(self.plan.chunk_bytes)
+        self.budget_note = (f"gpu_budget_gib {self.budget_bytes / GiB:.2f} GiB, {basis}: "
                             f"{len(kept)} parameter(s) keep their states on the GPU "
                             f"({self.resident_bytes / GiB:.2f} GiB), {self.bytes / GiB:.2f} GiB move each way per "
                             f"step in {len(self.chunks)} chunk(s)")

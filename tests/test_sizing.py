@@ -1,0 +1,124 @@
+"""chunk_mb=auto (engine/sizing.py) and gpu_budget_gib (engine/budget.py), chosen once from what the
+first streamed step measured (engine/firststep.py). The figures a GPU would give are given here; the
+plan, the re-cut and the steps after it are the engine's own, against Megatron-Core's real
+DistributedOptimizer step (the rig of test_streamed.py)."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from bridge_fgo.engine import budget, sizing
+from bridge_fgo.engine.firststep import FirstStep, margin
+from bridge_fgo.engine.streamed import StreamedEngine
+from test_streamed import OPTIMIZERS, assert_same, engine_for, make, measured, snapshot, step
+
+MIB = 2**20
+GIB = 2**30
+
+
+def window_of(size):
+    """A plan of 12 GiB of 4 MiB bundles: the window is two chunks."""
+    return 2 * size, size
+
+
+def test_the_window_grows_into_the_headroom_up_to_the_cap():
+    first = FirstStep(before=5 * GIB, backward=10 * GIB, base=4 * GIB, step=10 * GIB)
+    size, why = sizing.choose(window_of, first, 12 * GIB)
+    assert size == sizing.MAX_CHUNK_MB * MIB  # 6 GiB of headroom: a 2 GiB window fits, the cap holds
+    assert "1024 MB" in why and "the first forward-backward's peak 10.00 GiB" in why
+
+
+def test_the_window_stops_where_the_headroom_ends():
+    first = FirstStep(before=5 * GIB, backward=10 * GIB, base=9 * GIB, step=10 * GIB)
+    room = first.headroom()
+    assert room == GIB - margin(10 * GIB)
+    size, why = sizing.choose(window_of, first, 12 * GIB)
+    assert 2 * size <= room < 2 * (size + sizing.STEP_MB * MIB)
+    assert f"{size // MIB} MB" in why
+
+
+def test_where_the_step_sets_the_peak_the_window_stays_where_it_was():
+    """Full recomputation: the first step raised the run's peak above forward-backward's."""
+    first = FirstStep(before=5 * GIB, backward=6 * GIB, base=5.6 * GIB, step=6.3 * GIB, window=512 * MIB,
+                      largest_chunk=256 * MIB)
+    assert first.scratch(256 * MIB) == int(6.3 * GIB - 5.6 * GIB - 512 * MIB)  # measured, not the contract's
+    size, why = sizing.choose(window_of, first, 12 * GIB)
+    assert size == 256 * MIB and "the least: a larger window would raise the peak" in why
+
+
+def test_scratch_comes_from_the_contract_unless_measured():
+    first = FirstStep(before=5 * GIB, backward=10 * GIB, base=4 * GIB, step=10 * GIB, scratch_per_byte=0.5)
+    assert first.scratch(GIB) == GIB // 2
+    # torch's foreach temporaries count: a window of two chunks and half a chunk of scratch in 2 GiB
+    first = FirstStep(before=5 * GIB, backward=7 * GIB, base=5 * GIB, step=7 * GIB, scratch_per_byte=0.5)
+    size, _ = sizing.choose(window_of, first, 12 * GIB)
+    assert 2.5 * size <= first.headroom() < 2.5 * (size + sizing.STEP_MB * MIB) and size < sizing.MAX_CHUNK_MB * MIB
+
+
+def test_nothing_measured_and_small_plans_keep_the_first_window():
+    assert sizing.choose(window_of, FirstStep(), 12 * GIB) == (256 * MIB, "256 MB: nothing measured (no GPU)")
+    first = FirstStep(before=5 * GIB, backward=10 * GIB, base=4 * GIB, step=10 * GIB)
+    assert sizing.choose(window_of, first, 100 * MIB)[0] == 256 * MIB
+
+
+def test_the_bound_is_the_runs_peak_when_setup_set_it():
+    first = FirstStep(before=12 * GIB, backward=12 * GIB, base=4 * GIB, step=12 * GIB)
+    assert not first.set_by_backward and "the run's peak before it 12.00 GiB" in first.describe()
+
+
+def test_a_budget_plans_from_the_allocated_peak():
+    bundles = [type("B", (), dict(nbytes=n * MIB, entries=[1], resident=False))() for n in (900, 700, 500, 300)]
+    first = FirstStep(before=5 * GIB, backward=10 * GIB, base=4 * GIB, step=10 * GIB)
+    kept = budget.choose(bundles, 12 * GIB, first)
+    room = 12 * GIB - 10 * GIB - margin(12 * GIB)
+    assert sum(b.nbytes for b in kept) <= room and [b.nbytes // MIB for b in kept] == [900, 700, 300]
+    assert budget.choose(bundles, 10 * GIB, first) is None
+
+
+@pytest.fixture
+def small_units(monkeypatch):
+    """The rig's states are kilobytes: its "MB" is a byte, so 256 "MB" windows cut it into chunks."""
+    monkeypatch.setattr(sizing, "MIB", 1)
+
+
+@pytest.mark.parametrize("kind", ["torch-foreach-default", "te", "apex"])
+def test_auto_recuts_after_the_first_step_says_so_and_stays_exact(kind, small_units, caplog):
+    base, opt = make(**OPTIMIZERS[kind]), make(**OPTIMIZERS[kind])
+    with caplog.at_level(logging.INFO, logger="bridge_fgo"):
+        engine = engine_for(opt, 256, auto=True)
+        before = len(engine.chunks)
+        # plenty of headroom: forward-backward reached 1 GiB over a base of 1 KiB
+        engine.probe = measured(before=GIB // 2, backward=GIB, base=1024, step=GIB)
+        for _ in range(4):
+            step(base)
+            step(opt, engine)
+            assert_same(snapshot(base), snapshot(opt))
+    assert engine.plan.chunk_bytes == min(sizing.MAX_CHUNK_MB, engine.bytes) and len(engine.chunks) < before
+    notes = [m for m in caplog.messages if "window sized from the first step" in m]
+    assert len(notes) == 1 and engine.window_note in notes[0] and f"{len(engine.chunks)} chunk(s)" in notes[0]
+
+
+def test_auto_with_a_budget_keeps_resident_then_sizes_the_rest(small_units):
+    base, opt = make(), make()
+    full = engine_for(make()).bytes
+    # the budget leaves room for half the states above the 1 GiB peak and its 64 MiB margin
+    engine = StreamedEngine([opt], 256, GIB + 64 * MIB + full // 2, auto=True)
+    engine.prepare()
+    engine.probe = measured(before=0, backward=GIB, base=1024, step=GIB)
+    for _ in range(3):
+        step(base)
+        step(opt, engine)
+        assert_same(snapshot(base), snapshot(opt))
+    assert 0 < engine.resident_bytes <= full // 2 and engine.bytes == full - engine.resident_bytes
+    assert "keep their states on the GPU" in engine.budget_note and "1.00 GiB" in engine.budget_note
+    assert engine.window_note and engine.plan.chunk_bytes == min(sizing.MAX_CHUNK_MB, engine.bytes)
+
+
+def test_auto_without_a_gpu_keeps_the_first_window(small_units):
+    opt = make()
+    engine = engine_for(opt, 256, auto=True)
+    cut = [c.nbytes for c in engine.chunks]
+    for _ in range(2):
+        step(opt, engine)
+    assert [c.nbytes for c in engine.chunks] == cut and "nothing measured (no GPU)" in engine.window_note
