@@ -56,7 +56,7 @@ def test_status_json_real_environment():
     assert r["generation"] == "none"
     assert r["generation_meaning"] == ("this Megatron-Core has no optimizer-state offload; bridge_fgo's builtin "
                                        "engine can provide it")
-    assert r["chunk_mb"] == 256
+    assert r["chunk_mb"] == "auto"
     assert r["native_wiring"] == [] and r["problems"] == []
     assert r["targets"] == ALL_TARGETS
     assert "the same function as megatron.bridge.training.train.train" in r["target_notes"][PRETRAIN_ALIAS]
