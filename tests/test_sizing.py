@@ -17,25 +17,27 @@ MIB = 2**20
 GIB = 2**30
 
 
-def window_of(size):
-    """A plan of 12 GiB of 4 MiB bundles: the window is two chunks."""
-    return 2 * size, size
+def window_of(size, slots=2):
+    """A plan of 12 GiB of 4 MiB bundles: the window is `slots` chunks."""
+    return slots * size, size
 
 
 def test_the_window_grows_into_the_headroom_up_to_the_cap():
     first = FirstStep(before=5 * GIB, backward=10 * GIB, base=4 * GIB, step=10 * GIB)
-    size, why = sizing.choose(window_of, first, 12 * GIB)
+    size, slots, why = sizing.choose(window_of, first, 12 * GIB)
     assert size == sizing.MAX_CHUNK_MB * MIB  # 6 GiB of headroom: a 2 GiB window fits, the cap holds
-    assert "1024 MB" in why and "the first forward-backward's peak 10.00 GiB" in why
+    # then as many slots of 1 GiB as the headroom holds: each a chunk that may come in before the update
+    assert slots == 5 and 5 * GIB <= first.headroom() < 6 * GIB
+    assert "1024 MB, 5 slots" in why and "the first forward-backward's peak 10.00 GiB" in why
 
 
 def test_the_window_stops_where_the_headroom_ends():
     first = FirstStep(before=5 * GIB, backward=10 * GIB, base=9 * GIB, step=10 * GIB)
     room = first.headroom()
     assert room == GIB - margin(10 * GIB)
-    size, why = sizing.choose(window_of, first, 12 * GIB)
-    assert 2 * size <= room < 2 * (size + sizing.STEP_MB * MIB)
-    assert f"{size // MIB} MB" in why
+    size, slots, why = sizing.choose(window_of, first, 12 * GIB)
+    assert 2 * size <= room < 2 * (size + sizing.STEP_MB * MIB) and slots == 2
+    assert f"{size // MIB} MB, 2 slots" in why
 
 
 def test_where_the_step_sets_the_peak_the_window_stays_where_it_was():
@@ -43,8 +45,8 @@ def test_where_the_step_sets_the_peak_the_window_stays_where_it_was():
     first = FirstStep(before=5 * GIB, backward=6 * GIB, base=5.6 * GIB, step=6.3 * GIB, window=512 * MIB,
                       largest_chunk=256 * MIB)
     assert first.scratch(256 * MIB) == int(6.3 * GIB - 5.6 * GIB - 512 * MIB)  # measured, not the contract's
-    size, why = sizing.choose(window_of, first, 12 * GIB)
-    assert size == 256 * MIB and "the least: a larger window would raise the peak" in why
+    size, slots, why = sizing.choose(window_of, first, 12 * GIB)
+    assert (size, slots) == (256 * MIB, 2) and "the least: a larger window would raise the peak" in why
 
 
 def test_scratch_comes_from_the_contract_unless_measured():
@@ -52,12 +54,18 @@ def test_scratch_comes_from_the_contract_unless_measured():
     assert first.scratch(GIB) == GIB // 2
     # torch's foreach temporaries count: a window of two chunks and half a chunk of scratch in 2 GiB
     first = FirstStep(before=5 * GIB, backward=7 * GIB, base=5 * GIB, step=7 * GIB, scratch_per_byte=0.5)
-    size, _ = sizing.choose(window_of, first, 12 * GIB)
+    size, slots, _ = sizing.choose(window_of, first, 12 * GIB)
     assert 2.5 * size <= first.headroom() < 2.5 * (size + sizing.STEP_MB * MIB) and size < sizing.MAX_CHUNK_MB * MIB
 
 
+def test_slots_never_outnumber_the_chunks():
+    first = FirstStep(before=5 * GIB, backward=40 * GIB, base=4 * GIB, step=10 * GIB)
+    size, slots, _ = sizing.choose(window_of, first, 3 * GIB)
+    assert size == GIB and slots == 3  # three chunks of 1 GiB: a fourth slot would hold nothing
+
+
 def test_nothing_measured_and_small_plans_keep_the_first_window():
-    assert sizing.choose(window_of, FirstStep(), 12 * GIB) == (256 * MIB, "256 MB: nothing measured (no GPU)")
+    assert sizing.choose(window_of, FirstStep(), 12 * GIB) == (256 * MIB, 2, "256 MB: nothing measured (no GPU)")
     first = FirstStep(before=5 * GIB, backward=10 * GIB, base=4 * GIB, step=10 * GIB)
     assert sizing.choose(window_of, first, 100 * MIB)[0] == 256 * MIB
 

@@ -223,32 +223,38 @@ def test_every_param_group_keeps_its_index_in_every_pass():
     assert all(sum(s) == 1 for s in seen)  # one parameter per pass; the other groups empty, in place
 
 
-def test_window_bound_and_parameters_never_split():
+@pytest.mark.parametrize("slots", [2, 3])
+def test_window_bound_and_parameters_never_split(slots):
     opt = make()
-    engine = engine_for(opt, 2000)
+    chunk = 2000 if slots == 2 else 600  # a ring of three slots wraps: more chunks than slots
+    engine = engine_for(opt, chunk)
+    engine.plan.slots = slots
+    engine.transfers.new_window()
     seen = []
 
     def record(optimizer, groups):
         ps = [p for g in groups for p in g["params"]]
         seen.append([id(p) for p in ps])
-        # everything this update reads that moves is inside the window, nothing else
-        lo = engine.transfers.window.arena.data_ptr()
+        # everything this update reads that moves is inside one slot of the window, nothing else
+        spans = [(s.tensor.data_ptr(), s.tensor.data_ptr() + s.nbytes) for s in engine.transfers.window.slots
+                 if s.tensor is not None]
+        assert len(spans) <= slots
         for b, e in entries(engine):
             if any(e.param is p for p in ps):
                 t = b.get(e)
                 if t is not None:
-                    assert lo <= t.data_ptr() and t.data_ptr() + e.nbytes <= lo + engine.window_bytes
+                    assert any(lo <= t.data_ptr() and t.data_ptr() + e.nbytes <= hi for lo, hi in spans)
 
     with on_each_pass(record):
         for _ in range(3):
             step(opt, engine)
-    assert len(engine.chunks) > 1
+    assert len(engine.chunks) > slots
     sizes = [c.nbytes for c in engine.chunks]
     bundles = [b.nbytes for part in engine.parts for b in part.bundles]
-    assert max(sizes) <= max(2000, max(bundles))
-    # the window holds the largest pair of consecutive chunks, less than two of the largest
-    assert engine.window_bytes == max(a + b for a, b in zip(sizes, sizes[1:]))
-    assert engine.transfers.window.arena is None  # given back after the update
+    assert max(sizes) <= max(chunk, max(bundles))
+    # chunk i goes to slot i % slots, each slot as large as the largest chunk it takes
+    assert engine.window_bytes == sum(max(sizes[i::slots]) for i in range(slots)) <= slots * max(sizes)
+    assert all(s.tensor is None for s in engine.transfers.window.slots)  # given back after the update
     per_step = len(engine.chunks)
     assert len(seen) == 3 * per_step
     for chunk, ids in zip(engine.chunks * 3, seen):
@@ -558,7 +564,7 @@ def test_train_step_window_bound_and_reporting(caplog_fgo):
     (s,) = bridge_fgo.status().sessions
     assert s["chunk_mb"] == 1 and s["chunks"] == len(engine.chunks)
     chunk_sizes = [c.nbytes for c in engine.chunks]
-    assert s["step_peak_bytes"] == engine.window_bytes == max(a + b for a, b in zip(chunk_sizes, chunk_sizes[1:]))
+    assert s["step_peak_bytes"] == engine.window_bytes == max(chunk_sizes[0::2]) + max(chunk_sizes[1::2])
     steady = engine.bytes
     assert s["bytes"] == steady
     masters = sum(4 * torch.Size(shape).numel() for shape in BIG)
@@ -567,7 +573,7 @@ def test_train_step_window_bound_and_reporting(caplog_fgo):
     line = next(m for m in caplog_fgo.messages if "offload active" in m)
     # the first step's line gives the steady figure: Adam's moments did not exist before step 1
     assert f"{steady} bytes offloaded per step" in line and "torch AdamW" in line
-    assert f"window: 1 MB chunks, {len(engine.chunks)} chunk(s), the step adds at most {engine.window_bytes} bytes" in line
+    assert f"window: 1 MB chunks, {len(engine.chunks)} chunk(s) through 2 slot(s), the step adds at most {engine.window_bytes} bytes" in line
 
 
 def test_train_step_exception_in_backward_leaves_whole_host_states():

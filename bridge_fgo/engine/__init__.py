@@ -105,7 +105,8 @@ class BuiltinAdapter:
         e = self.engine
         size = (f"auto ({first_chunk_mb(AUTO)} MB chunks for the first step, then sized from it)" if e.auto
                 else f"{self.chunk_mb} MB chunks")
-        text = f"window: {size}, {len(e.chunks)} chunk(s), the step adds at most {e.window_bytes} bytes on the GPU"
+        text = (f"window: {size}, {len(e.chunks)} chunk(s) through {len(e.transfers.window.slots)} slot(s), the step "
+                f"adds at most {e.window_bytes} bytes on the GPU")
         if e.resident_bytes:
             text += f"; {e.resident_bytes} bytes stay resident (gpu_budget_gib)"
         return text
@@ -127,6 +128,9 @@ class BuiltinAdapter:
         if self.chunk_mb:
             exposed = e.copies.exposed_s if e.copies is not None else []
             out.update(chunks=len(e.chunks), chunk_bytes=e.plan.chunk_bytes, window=e.window_note,
+                       slots=len(e.transfers.window.slots) if e.transfers.window is not None else e.plan.slots,
+                       prefetch=e.head.describe(),
+                       prefetched_chunks=e.head.prefetched[-1] if e.head.prefetched else None,
                        step_peak_bytes=e.window_bytes, master_bytes=e.master_bytes,
                        resident_bytes=e.resident_bytes, budget=e.budget_note, torn=e.torn,
                        exposed_copy_wait_s=sorted(exposed)[len(exposed) // 2] if exposed else None)

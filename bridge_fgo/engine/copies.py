@@ -150,42 +150,49 @@ def copies_for(device):
 
 
 class _Slot:
-    def __init__(self):
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes  # the largest chunk it takes
+        self.tensor = None  # allocated when its first chunk comes in, given back when the window closes
         self.view = None
         self.h2d_done = None  # the chunk in it has arrived
         self.d2h_done = None  # the chunk that was in it has left
 
 
 class Window:
-    """The GPU memory the update streams through, shared by every engine of one chain: one arena
-    with two slots at its two ends (even chunks at the start, odd ones at the end), so two
-    consecutive chunks never overlap. Allocated for an update, given back after it."""
+    """The GPU memory the update streams through, shared by every engine of one chain: a ring of slots,
+    chunk i in slot i % len(slots), each slot as large as the largest chunk it takes
+    (layout.window_sizes). A slot is allocated when its first chunk's copy starts (at gradient
+    finalization, or earlier, during the last backward: head.py) and every slot is given back when
+    the update is over."""
 
-    def __init__(self, copies, nbytes: int, device):
-        self.copies, self.nbytes, self.device = copies, nbytes, device
-        self.arena = None
-        self.slots = [_Slot(), _Slot()]
+    def __init__(self, copies, sizes, device):
+        self.copies, self.device = copies, device
+        self.slots = [_Slot(n) for n in sizes]
 
-    def open(self) -> None:
-        if self.arena is None:
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.slots)
+
+    @property
+    def held(self) -> int:
+        """Bytes allocated now."""
+        return sum(s.nbytes for s in self.slots if s.tensor is not None)
+
+    def slot(self, index: int, nbytes: int) -> _Slot:
+        s = self.slots[index % len(self.slots)]
+        if s.tensor is None:
             import torch
 
             # on the compute stream, so the allocator can hand it back to the model later
-            self.arena = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
-            for s in self.slots:
-                s.view = s.h2d_done = s.d2h_done = None
-
-    def slot(self, index: int, nbytes: int) -> _Slot:
-        s = self.slots[index % 2]
-        s.view = self.arena[:nbytes] if index % 2 == 0 else self.arena[self.nbytes - nbytes:]
+            s.tensor = torch.empty(s.nbytes, dtype=torch.uint8, device=self.device)
+        s.view = s.tensor[:nbytes]
         return s
 
     def close(self) -> None:
-        if self.arena is not None:
-            self.copies.retire(self.arena)  # reused only after the copies in flight have read it
-            self.arena = None
         for s in self.slots:
-            s.view = s.h2d_done = s.d2h_done = None
+            if s.tensor is not None:
+                self.copies.retire(s.tensor)  # reused only after the copies in flight have read it
+            s.tensor = s.view = s.h2d_done = s.d2h_done = None
 
 
 class Stopwatch:

@@ -117,11 +117,18 @@ def chunks_of(bundles: Sequence[Bundle], chunk_bytes: int, first_index: int = 0)
     return chunks
 
 
-def window_bytes(chunks: Sequence[Chunk]) -> int:
-    """The window holds two consecutive chunks at once, even ones at its start and odd ones at its
-    end: the largest pair of consecutive chunks (of the whole chain), not twice the largest chunk."""
-    sizes = [c.nbytes for c in chunks]
-    return max([a + b for a, b in zip(sizes, sizes[1:])] or sizes or [0])
+def window_sizes(chunks: Sequence[Chunk], slots: int = 2) -> List[int]:
+    """The window's slots (chunk i goes to slot i % slots, of the whole chain): each as large as the
+    largest chunk it takes. Two slots hold two consecutive chunks at once: what the update needs to
+    overlap one chunk's copy with the next one's update; more let the first chunks come in earlier."""
+    sizes = [0] * min(slots, len(chunks))
+    for i, c in enumerate(chunks):
+        sizes[i % slots] = max(sizes[i % slots], c.nbytes)
+    return sizes
+
+
+def window_bytes(chunks: Sequence[Chunk], slots: int = 2) -> int:
+    return sum(window_sizes(chunks, slots))
 
 
 def keep_resident(bundles: Sequence[Bundle], room: int) -> List[Bundle]:

@@ -1,13 +1,15 @@
 """chunk_mb=auto: the streamed step's window sized from the run, once, after its first step.
 
-The first step runs with FIRST_CHUNK_MB chunks. Its figures (firststep.py) give the headroom: what the
-step may add to the memory it starts from without raising the bound, the first forward-backward's peak
-(or setup's, or a load's, if higher: the run has reached it already). Fewer, larger chunks cost less
-per step (each chunk costs the inner optimizer's per-call work and a few launches; measured in
-docs/benchmarks.md), so the window grows to the largest chunk size whose window (the largest two
-consecutive chunks) and the optimizer's scratch fit in the headroom, capped at MAX_CHUNK_MB: the first
-chunk's copy in is exposed whatever the size, and a 1 GiB chunk takes about 20 ms at 55 GB/s. Where
-the step already sets the peak (full recomputation), the window stays at FIRST_CHUNK_MB, where it was.
+The first step runs with FIRST_CHUNK_MB chunks and two slots. Its figures (firststep.py) give the
+headroom: what the step may add to the memory it starts from without raising the bound, the first
+forward-backward's peak (or setup's, or a load's, if higher: the run has reached it already). Fewer,
+larger chunks cost less per step (each chunk costs the inner optimizer's per-call work and a few
+launches; measured in docs/benchmarks.md), so chunks grow to the largest size whose two-slot window
+and the optimizer's scratch fit in the headroom, capped at MAX_CHUNK_MB: the first chunk's copy in is
+exposed whatever the size, and a 1 GiB chunk takes about 20 ms at 55 GB/s. Then the window takes as
+many slots of that cut as the headroom holds: every slot is a chunk whose copy in can begin before
+the update (during the last backward, head.py) instead of inside it. Where the step already sets the
+peak (full recomputation), the window stays at FIRST_CHUNK_MB and two slots, where it was.
 """
 from __future__ import annotations
 
@@ -21,25 +23,28 @@ MAX_CHUNK_MB = 1024
 STEP_MB = 32  # the sizes tried, from the cap down
 
 
-def choose(window_of: Callable[[int], Tuple[int, int]], first: FirstStep, total: int) -> Tuple[int, str]:
-    """(chunk bytes, why). window_of(chunk_bytes) -> (window bytes, largest chunk bytes) of the plan cut
-    at that size; total: the bytes streamed each way."""
+def choose(window_of: Callable[[int, int], Tuple[int, int]], first: FirstStep, total: int) -> Tuple[int, int, str]:
+    """(chunk bytes, slots, why). window_of(chunk_bytes, slots) -> (window bytes, largest chunk) of the
+    plan cut at that size; total: the bytes streamed each way."""
     floor = FIRST_CHUNK_MB * MIB
     if not first.measured:
-        return floor, f"{FIRST_CHUNK_MB} MB: nothing measured (no GPU)"
+        return floor, 2, f"{FIRST_CHUNK_MB} MB: nothing measured (no GPU)"
     if total <= floor:
-        return floor, f"{FIRST_CHUNK_MB} MB: the states fit in one chunk"
+        return floor, 2, f"{FIRST_CHUNK_MB} MB: the states fit in one chunk"
     room = first.headroom()
 
-    def fits(size: int) -> bool:
-        window, largest = window_of(size)
+    def fits(size: int, slots: int) -> bool:
+        window, largest = window_of(size, slots)
         return window + first.scratch(largest) <= room
 
     size = max(floor, min(MAX_CHUNK_MB * MIB, total))
-    while size > floor and not fits(size):
+    while size > floor and not fits(size, 2):
         size = max(floor, size - STEP_MB * MIB)
-    if size == floor:
-        return floor, (f"{FIRST_CHUNK_MB} MB, the least: a larger window would raise the peak "
-                       f"({room / MIB:.0f} MiB of headroom); {first.describe()}")
-    return size, (f"{size / MIB:.0f} MB, its window {window_of(size)[0] / MIB:.0f} MiB within "
-                  f"{room / MIB:.0f} MiB of headroom; {first.describe()}")
+    if size == floor and not fits(size, 2):
+        return floor, 2, (f"{FIRST_CHUNK_MB} MB, the least: a larger window would raise the peak "
+                          f"({room / MIB:.0f} MiB of headroom); {first.describe()}")
+    slots = 2
+    while slots < -(-total // size) and fits(size, slots + 1):
+        slots += 1
+    return size, slots, (f"{size / MIB:.0f} MB, {slots} slots, the window {window_of(size, slots)[0] / MIB:.0f} MiB "
+                         f"within {room / MIB:.0f} MiB of headroom; {first.describe()}")

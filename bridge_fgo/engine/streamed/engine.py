@@ -23,6 +23,8 @@ from typing import Optional
 from ...errors import BridgeFGOError
 from ...log import logger, rank_prefix
 from .. import budget, firststep, sizing
+from ..firststep import margin
+from .head import Head
 from .plan import Plan
 from .readers import TORN_FIX, Readers
 from .transfers import Transfers
@@ -43,6 +45,7 @@ class StreamedEngine:
         self.transfers = Transfers(self.plan)
         self.readers = Readers(self.plan, self.transfers, _weakly(self.synchronize))
         self.update = Update(self.plan, self.transfers, self.readers, _weakly(self.synchronize))
+        self.head = Head(self.plan, self.transfers)
         self.budget_bytes = budget_bytes
         self.budget_note: Optional[str] = None
         self.auto = auto  # chunk_mb=auto: the window sized after the first step (sizing.py)
@@ -102,6 +105,7 @@ class StreamedEngine:
         if not self.readers.states_after_load:
             t.materialize()
         self.readers.hook_loads()
+        self.head.attach()
         self._note_setup_peak()
         if t.copies.device_copies:
             t.warm()
@@ -121,12 +125,15 @@ class StreamedEngine:
         """Start of forward-backward: make the host copy canonical (transfers.adopt)."""
         if self.update.armed:
             self.settle()  # a rerun after finalization: the prefetched chunks go back unused
+        elif self.transfers.started:
+            self.transfers.close_window()  # a backward prefetched, and no update came
         if self.transfers.buffer is None:
             return 0
         if self.torn is not None:
             raise self.readers.refusal("an optimizer step")
         self.probe.at_offload(self.device)
         self.transfers.adopt()
+        self.head.begin_step(measure=not self.probe.done and self.transfers.copies.device_copies)
         return self.bytes
 
     def release(self) -> None:
@@ -142,6 +149,7 @@ class StreamedEngine:
             self.offload()
             self.release()
         self.readers.drop_guards()  # the update's own copies are ordered after the tail on the GPU
+        self.head.end_step()
         self.probe.at_reload(self.device)
         self.update.arm()
         return self.bytes
@@ -168,7 +176,7 @@ class StreamedEngine:
                 # never the window's data: a failed pass's is partial. Before any pass the host copy is
                 # the states as before the step; after one, the states are torn anyway
                 b.set(e, e.host)
-        t.window.close()
+        t.close_window()
         t.copies.end_step()
         if self.update.stepped:
             self.steps_streamed += 1
@@ -177,7 +185,7 @@ class StreamedEngine:
             self.synchronize()
         if self.torn is not None or (not wait and t.tail is not None and was_armed):
             self.readers.guard()
-        if self.steps_streamed == 1 and not self.probe.done and (self.auto or self.budget_bytes is not None):
+        if self.steps_streamed == 1 and not self.probe.done:
             self._after_first_step()
 
     def synchronize(self) -> None:
@@ -194,23 +202,28 @@ class StreamedEngine:
 
     # -- after the first step: the memory budget, the window ---------------------------------------
     def _after_first_step(self) -> None:
-        """Once: gpu_budget_gib's resident states, then (chunk_mb=auto) the window, from what the first
-        streamed step measured (firststep.py)."""
+        """Once: gpu_budget_gib's resident states, then (chunk_mb=auto) the window, then the prefetch
+        during backward, from what the first streamed step measured (firststep.py, head.py)."""
         first = self.probe.at_step_end(self.device, self.window_bytes, max((c.nbytes for c in self.chunks), default=0),
                                        max((p.contract.step_scratch for p in self.parts), default=0.0))
         if self.budget_bytes is not None:
             self._apply_budget(first)
         if self.auto:
-            size, why = sizing.choose(self._window_at, first, self.bytes)
-            self._window_at(size)
+            size, slots, why = sizing.choose(self._window_at, first, self.bytes)
+            self._window_at(size, slots)
             self.window_note = (f"window sized from the first step: {why}. {len(self.chunks)} chunk(s), the step adds "
                                 f"at most {self.window_bytes} bytes on the GPU")
             logger.info("%s%s", rank_prefix(), self.window_note)
+        if first.measured:
+            self.head.enable(first.backward - margin(first.backward), self.resident_bytes)
+            if self.head.state == "on":
+                logger.info("%s%s", rank_prefix(), self.head.describe())
 
-    def _window_at(self, chunk_bytes: int):
-        """The plan cut into chunks of at most chunk_bytes, with a window for them: (window bytes, largest
-        chunk). Between updates only (the old window's memory is retired after its copies)."""
-        self.plan.chunk_bytes = chunk_bytes
+    def _window_at(self, chunk_bytes: int, slots: int = 2):
+        """The plan cut into chunks of at most chunk_bytes, with a window of `slots` slots for them:
+        (window bytes, largest chunk). Between updates only (the old window's memory is retired after
+        its copies)."""
+        self.plan.chunk_bytes, self.plan.slots = chunk_bytes, slots
         self.plan.cut()
         self.transfers.new_window()
         return self.window_bytes, max((c.nbytes for c in self.chunks), default=0)
@@ -232,7 +245,7 @@ class StreamedEngine:
                 if not e.dropped and b.get(e) is not None:
                     self.transfers.to_device(part, b, e)
             bundle.resident = True
-        self._window_at(self.plan.chunk_bytes)
+        self._window_at(self.plan.chunk_bytes, self.plan.slots)
         self.budget_note = (f"gpu_budget_gib {self.budget_bytes / GiB:.2f} GiB, {basis}: "
                             f"{len(kept)} parameter(s) keep their states on the GPU "
                             f"({self.resident_bytes / GiB:.2f} GiB), {self.bytes / GiB:.2f} GiB move each way per "
@@ -280,4 +293,5 @@ class StreamedEngine:
 
             torch.cuda.synchronize(self.device)
         self.readers.unhook_loads()
+        self.head.detach()
         t.free()

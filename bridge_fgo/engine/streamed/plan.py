@@ -84,6 +84,7 @@ class Plan:
             raise ValueError(f"the streamed step needs a window of > 0 bytes, got {chunk_bytes}")
         self.parts = [Part(i, o) for i, o in enumerate(dist_optimizers)]
         self.chunk_bytes = chunk_bytes
+        self.slots = 2  # the window's slots (layout.window_sizes): more only where the run has room (sizing.py)
         self.chunks: List[layout.Chunk] = []
         self.device = None
         self.nbytes: Optional[int] = None  # the host buffer's size, once laid out
@@ -144,8 +145,12 @@ class Plan:
 
     # -- figures ----------------------------------------------------------------------------------
     @property
+    def window_sizes(self) -> List[int]:
+        return layout.window_sizes(self.chunks, self.slots)
+
+    @property
     def window_bytes(self) -> int:
-        return layout.window_bytes(self.chunks)
+        return sum(self.window_sizes)
 
     @property
     def bytes(self) -> int:

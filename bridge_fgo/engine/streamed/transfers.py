@@ -47,7 +47,7 @@ class Transfers:
         self.new_window()
 
     def new_window(self) -> None:
-        self.window = copies_mod.Window(self.copies, self.plan.window_bytes, self.device)
+        self.window = copies_mod.Window(self.copies, self.plan.window_sizes, self.device)
 
     def warm(self) -> None:
         """One DMA pass over the buffer, so the first step does not pay for first use of the pages."""
@@ -197,7 +197,8 @@ class Transfers:
 
     # -- the chunks' copies -----------------------------------------------------------------------
     def h2d(self, index: int) -> None:
-        """Start chunk `index`'s host-to-device copy into its window slot (once per update)."""
+        """Start chunk `index`'s host-to-device copy into its window slot (once per update; `started`
+        is emptied when the window closes)."""
         chunks = self.plan.chunks
         if index in self.started or index >= len(chunks):
             return
@@ -217,6 +218,11 @@ class Transfers:
         for start, end, at in chunk.spans:
             done = self.copies.copy("d2h", self.buffer.tensor[start:end], slot.view[at:at + end - start], after)
         slot.d2h_done = self.tail = done
+
+    def close_window(self) -> None:
+        """The update is over (or never came): every slot given back, no chunk started."""
+        self.window.close()
+        self.started = set()
 
     @staticmethod
     def views(chunk, slot) -> List[tuple]:

@@ -41,10 +41,11 @@ class Update:
 
     def arm(self) -> None:
         """Gradient finalization: hooks on, streamed masters bound to their storage-less GPU shells
-        (Megatron-Core attaches their gradients next), the window open and the first two chunks'
-        host-to-device copies started (they overlap the gradient reduction)."""
+        (Megatron-Core attaches their gradients next), and the host-to-device copies of the first
+        chunks started, one per window slot (they overlap the gradient reduction; some may have
+        started during the last backward already: head.py)."""
         self.armed = True  # from here on settle() binds everything back, whatever fails
-        self.transfers.started, self.copied_masters, self.stepped = set(), set(), False
+        self.copied_masters, self.stepped = set(), False
         self.updated, self.done = [], set()
         for part in self.plan.parts:
             for bundle in part.bundles:
@@ -55,10 +56,8 @@ class Update:
                         e.param.data = self._shell(part, e.param)
             self._hooks.set(part.inner, "step", functools.partial(self._step, part))
             self._hooks.set(part.opt, "_copy_main_params_to_model_params", functools.partial(self._copy_rest, part))
-        if self.plan.chunks:
-            self.transfers.window.open()
-            for i in range(min(2, len(self.plan.chunks))):
-                self.transfers.h2d(i)
+        for i in range(min(self.plan.slots, len(self.plan.chunks))):
+            self.transfers.h2d(i)
 
     def disarm(self) -> bool:
         """The hooks off; whether the update was armed."""
@@ -106,7 +105,7 @@ class Update:
         self.done.add(part.index)
         self.stepped = True
         if part.chunks and part.chunks[-1].index == len(self.plan.chunks) - 1:
-            self.transfers.window.close()  # the chain's last chunk is through: the memory goes back now
+            self.transfers.close_window()  # the chain's last chunk is through: the memory goes back now
         if subset.has_step_hooks(inner):
             self._synchronize()  # post hooks read the states the update just wrote
         return None
@@ -123,11 +122,11 @@ class Update:
             self._copy_masters(part, [p for ps in resident.values() for p in ps])
         b = part.bindings
         t = self.transfers
+        slots = len(t.window.slots)
         for chunk in part.chunks:
             self.where = f"in chunk {chunk.index + 1} of {len(self.plan.chunks)}{chain}"
             t.h2d(chunk.index)
-            t.h2d(chunk.index + 1)  # the next chunk of the chain, the next optimizer's too
-            slot = t.window.slots[chunk.index % 2]
+            slot = t.window.slots[chunk.index % slots]
             t.copies.compute_wait(slot.h2d_done)
             views = t.views(chunk, slot)
             for e, view in views:
@@ -143,6 +142,7 @@ class Update:
             for e, view in views:
                 if not e.dropped and b.get(e) is not None:
                     b.set(e, e.host)
+            t.h2d(chunk.index + slots)  # into this slot once the copy out has left it (the chain's next too)
             self._check_unplanned(part, b, chunk)
         self.where = f"while writing back the param groups' values after the last chunk{chain}"
         state.commit()

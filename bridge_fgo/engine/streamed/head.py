@@ -1,0 +1,259 @@
+"""The head of the streamed update: its first chunks' host-to-device copies, started during the last
+backward of the step, into memory that backward frees, so the update finds them on the GPU and the
+link works while backward computes.
+
+Only the last backward of a step (the last microbatch's) frees memory that stays free until the
+update: what an earlier one frees, the next forward takes again. How much the head may hold, and
+when, comes from that backward's allocation curve, measured once, in the first streamed step: at
+every gradient-accumulation hook of the model's parameters (hook k), the memory allocated there
+(`at`) and the most allocated from there to gradient finalization (`ahead`). At hook k of a later
+step, window slots (copies.Window) are filled while what the head holds plus ahead[k] stays within
+the bound the window was sized to (the run's peak through the first step, less a margin): no phase of
+the iteration rises above it, and at gradient finalization the window's other slots are allocated as
+before (update.py).
+
+The curve is read from the CUDA caching allocator's own event trace
+(torch.cuda.memory._record_memory_history) over that one step, with a marker allocation at each hook
+(two allocations of unusual sizes back to back). A curve that does not add up turns the head off, with
+one INFO line: the trace does not end at the allocated figure the allocator reports, the hooks do not
+fire the same number of times in every microbatch (a parameter without a gradient in some), someone
+records memory history already, or the allocator offers no trace. Each later step checks that it
+follows the curve: at hook k, what is allocated outside the head must be what the first step
+measured there (within the margin), else that step prefetches no more; a step whose hook count is not
+the first step's turns the head off.
+"""
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from typing import Callable, List, Optional, Tuple
+
+from ...log import logger, rank_prefix
+from ..firststep import margin
+
+MARKS = (512 * 2039, 512 * 2029)  # bytes; small-pool sizes no model is likely to allocate back to back
+TRACE_ENTRIES = 4_000_000  # the allocator's event ring for the measured step
+
+
+@dataclasses.dataclass
+class Curve:
+    """The last backward of the first streamed step, hook by hook (bytes allocated, absolute)."""
+
+    at: List[int]
+    ahead: List[int]
+    first: int  # the step's hook index where the last backward begins
+    hooks: int  # hooks per step
+    microbatches: int
+
+
+def read_curve(trace, start: int, end: int, microbatches: int) -> Tuple[Optional[Curve], str]:
+    """The curve from the allocator's events of one step's forward-backward (`trace`: dicts with
+    action, addr, size), which began at `start` bytes allocated and ended at `end`; or (None, why)."""
+    allocated, values, marks, skip = start, [], [], set()
+    i, n = 0, len(trace)
+    while i < n:
+        e = trace[i]
+        action, size = e.get("action"), e.get("size", 0)
+        if (action == "alloc" and size == MARKS[0] and i + 1 < n and trace[i + 1].get("action") == "alloc"
+                and trace[i + 1].get("size") == MARKS[1]):
+            marks.append((len(values), allocated))
+            skip.update((e.get("addr"), trace[i + 1].get("addr")))
+            i += 2
+            continue
+        if action == "alloc":
+            allocated += size
+        elif action == "free_requested":
+            if e.get("addr") in skip:
+                skip.discard(e.get("addr"))
+            else:
+                allocated -= size
+        values.append(allocated)
+        i += 1
+    if allocated != end:
+        return None, (f"the allocator's trace does not add up ({allocated} bytes at its end, {end} allocated): "
+                      "it was cut short or missed events")
+    if not marks or microbatches < 1 or len(marks) % microbatches:
+        return None, (f"the gradient hooks fired {len(marks)} times in {microbatches} microbatch(es): not the same "
+                      "number in every backward")
+    ahead, most = [0] * len(values), allocated
+    for v in range(len(values) - 1, -1, -1):
+        most = max(most, values[v])
+        ahead[v] = most
+    per = len(marks) // microbatches
+    last = marks[-per:]
+    return Curve(at=[a for _, a in last], ahead=[ahead[v] if v < len(ahead) else end for v, _ in last],
+                 first=len(marks) - per, hooks=len(marks), microbatches=microbatches), ""
+
+
+def _microbatches() -> int:
+    try:
+        from megatron.core.num_microbatches_calculator import get_num_microbatches
+
+        return int(get_num_microbatches())
+    except Exception:  # not initialised (a bare optimizer), or another Megatron-Core layout
+        return 0
+
+
+class Head:
+    def __init__(self, plan, transfers, allocated: Optional[Callable[[], int]] = None):
+        self.plan, self.transfers = plan, transfers
+        self._allocated = allocated  # tests give a GPU's figure; else torch.cuda.memory_allocated
+        self._handles: list = []
+        self.curve: Optional[Curve] = None
+        self.state = "off"  # off, measuring (the first streamed step), measured, on
+        self.why_off: Optional[str] = None
+        self.limit = 0  # bytes: what the head plus the rest may reach (the run's peak less a margin)
+        self.offset = 0  # bytes kept on the GPU after the first step (gpu_budget_gib): on every phase
+        self.hook = 0  # hooks fired in this step
+        self.in_step = False
+        self.stopped = False  # this step left the curve: no more prefetching
+        self.microbatches = 0
+        self.start = 0
+        self.prefetched: List[int] = []  # per step: chunks whose copy began in the last backward
+        self._marks = None
+
+    # -- hooks on the model's parameters ----------------------------------------------------------
+    def attach(self) -> None:
+        """A gradient-accumulation hook on every model parameter the optimizers update."""
+        if self._handles:
+            return
+        me = weakref.ref(self)
+
+        def fired(_param):
+            head = me()
+            if head is not None:
+                head._fired()
+
+        for part in self.plan.parts:
+            opt = part.opt
+            for name in ("model_float16_groups", "model_fp32_groups"):
+                for group in getattr(opt, name, None) or ():
+                    for p in group:
+                        if getattr(p, "requires_grad", False) and hasattr(p, "register_post_accumulate_grad_hook"):
+                            self._handles.append(p.register_post_accumulate_grad_hook(fired))
+
+    def detach(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    @property
+    def attached(self) -> bool:
+        return bool(self._handles)
+
+    def _memory(self) -> int:
+        if self._allocated is not None:
+            return self._allocated()
+        import torch
+
+        return torch.cuda.memory_allocated(self.plan.device)
+
+    # -- each step --------------------------------------------------------------------------------
+    def begin_step(self, measure: bool) -> None:
+        """Forward-backward begins (offload): count hooks from here; the first streamed step measures."""
+        self.hook, self.in_step, self.stopped = 0, True, False
+        self.microbatches = _microbatches()
+        if self.state == "on" and self.microbatches != self.curve.microbatches:
+            self.stopped = True  # a batch-size ramp: not the measured step's shape
+        if measure and self.state == "off" and self.why_off is None and self.attached:
+            self._start_trace()
+
+    def end_step(self) -> Optional[Curve]:
+        """Gradient finalization (reload): the measured step's curve is read; a later step's count checked."""
+        self.in_step = False
+        if self.state == "measuring":
+            return self._end_trace()
+        if self.state == "on":
+            self.prefetched.append(len(self.transfers.started))
+            if self.hook != self.curve.hooks and not self.stopped:
+                self.off(f"a step fired the gradient hooks {self.hook} times, the first step {self.curve.hooks}")
+        return None
+
+    def enable(self, limit: int, offset: int = 0) -> None:
+        """After the first step: prefetch from the next one, within `limit` bytes allocated."""
+        if self.state == "measured":
+            self.state, self.limit, self.offset = "on", limit, offset
+
+    def off(self, why: str) -> None:
+        """No prefetch from here on (said once)."""
+        self._stop_recording()
+        if self.why_off is None:
+            logger.info("%sno prefetch during backward: %s", rank_prefix(), why)
+        self.state, self.why_off, self.curve = "off", why, None
+
+    def _fired(self) -> None:
+        if not self.in_step:
+            return  # a backward outside train_step
+        k = self.hook
+        self.hook += 1
+        if self.state == "measuring":
+            import torch
+
+            a = torch.empty(MARKS[0], dtype=torch.uint8, device=self.plan.device)
+            b = torch.empty(MARKS[1], dtype=torch.uint8, device=self.plan.device)
+            del a, b
+        elif self.state == "on" and not self.stopped and k >= self.curve.first:
+            self._prefetch(k - self.curve.first)
+
+    def _prefetch(self, j: int) -> None:
+        """Hook j of the last backward: fill the next slots while the curve allows."""
+        c, t = self.curve, self.transfers
+        window = t.window
+        if j >= len(c.at):
+            return
+        if self._memory() - window.held - self.offset > c.at[j] + margin(self.limit):
+            self.stopped = True  # not where the first step was: prefetch nothing more this step
+            return
+        room = self.limit - c.ahead[j]
+        n = min(len(window.slots), len(self.plan.chunks))
+        i = len(t.started)
+        while i < n and i not in t.started:
+            if window.held + window.slots[i].nbytes > room:
+                break
+            t.h2d(i)
+            i += 1
+
+    # -- the measurement (CUDA only) --------------------------------------------------------------
+    def _start_trace(self) -> None:
+        import torch
+
+        record = getattr(torch.cuda.memory, "_record_memory_history", None)
+        snapshot = getattr(torch.cuda.memory, "_snapshot", None)
+        if record is None or snapshot is None:
+            self.off("this torch's CUDA allocator offers no event trace to measure backward's memory from")
+            return
+        if any(snapshot().get("device_traces") or ()):
+            self.off("this process records memory history already (a profiler?): measuring would end it")
+            return
+        self.start = self._memory()
+        record(enabled="all", context=None, stacks="python", max_entries=TRACE_ENTRIES)
+        self.state = "measuring"
+
+    def _stop_recording(self) -> None:
+        if self.state == "measuring":
+            import torch
+
+            torch.cuda.memory._record_memory_history(enabled=None)
+            self.state = "off"
+
+    def _end_trace(self) -> Optional[Curve]:
+        import torch
+
+        device = self.plan.device
+        end = self._memory()
+        traces = torch.cuda.memory._snapshot().get("device_traces") or []
+        self._stop_recording()
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        curve, why = read_curve(traces[index] if index < len(traces) else [], self.start, end, self.microbatches)
+        if curve is None:
+            self.off(why)
+            return None
+        self.curve, self.state = curve, "measured"
+        return curve
+
+    def describe(self) -> str:
+        if self.state == "on":
+            done = self.prefetched[-1] if self.prefetched else 0
+            return (f"during the last backward up to {min(len(self.transfers.window.slots), len(self.plan.chunks))} "
+                    f"chunk(s) come in early ({done} in the last step), by the curve measured in the first step")
+        return f"no prefetch during backward: {self.why_off}" if self.why_off else "no prefetch during backward"

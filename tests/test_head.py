@@ -1,0 +1,194 @@
+"""The head of the streamed update (engine/streamed/head.py): chunks' copies in started during the last
+backward, by the allocation curve the first streamed step measured. The curve is read from an
+allocator event trace as the CUDA caching allocator writes it; the figures a GPU gives at each hook are
+given here (the head reads allocated memory through one function). The update itself is the engine's
+own, against Megatron-Core's real DistributedOptimizer step (the rig of test_streamed.py), so what the
+head copies in early must leave the results bit-identical, with every optimizer."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from bridge_fgo.engine.firststep import margin
+from bridge_fgo.engine.streamed import head as head_mod
+from bridge_fgo.engine.streamed.head import MARKS, Curve, read_curve
+from test_streamed import OPTIMIZERS, assert_same, engine_for, make, snapshot, step
+
+MIB = 2**20
+
+
+def alloc(addr, size):
+    return {"action": "alloc", "addr": addr, "size": size}
+
+
+def free(addr, size):
+    return {"action": "free_requested", "addr": addr, "size": size}
+
+
+def mark(addr):
+    return [alloc(addr, MARKS[0]), alloc(addr + 1, MARKS[1]), free(addr, MARKS[0]), free(addr + 1, MARKS[1])]
+
+
+def test_the_curve_of_the_last_backward_is_read_from_the_allocators_trace():
+    # two microbatches of: forward (+300), backward (three hooks, activations freed 100 at a time, a
+    # 50-byte spike inside the second layer's backward)
+    trace = []
+    for mb in range(2):
+        trace += [alloc(10 + mb, 300)]
+        trace += mark(100 + 10 * mb) + [free(10 + mb, 300), alloc(20 + mb, 200)]
+        trace += mark(200 + 10 * mb) + [alloc(30 + mb, 50), free(30 + mb, 50), free(20 + mb, 200),
+                                         alloc(40 + mb, 100)]
+        trace += mark(300 + 10 * mb) + [free(40 + mb, 100)]
+    trace += [{"action": "segment_alloc", "addr": 1, "size": 10**9}, {"action": "free_completed", "addr": 2, "size": 5}]
+    curve, why = read_curve(trace, 1000, 1000, microbatches=2)
+    assert why == "" and curve.hooks == 6 and curve.first == 3 and curve.microbatches == 2
+    assert curve.at == [1300, 1200, 1100]  # allocated at each hook of the last backward (markers excluded)
+    assert curve.ahead == [1300, 1250, 1100]  # the most allocated from there on: the spike counts
+
+
+def test_a_curve_that_does_not_add_up_is_refused():
+    trace = [alloc(1, 100)] + mark(5) + [free(1, 100)]
+    assert read_curve(trace, 0, 0, 1)[0] is not None
+    curve, why = read_curve(trace[1:], 0, 0, 1)  # the trace lost an event
+    assert curve is None and "does not add up" in why
+    curve, why = read_curve(mark(5) + mark(6) + mark(7), 0, 0, 2)  # three hooks in two backwards
+    assert curve is None and "not the same number in every backward" in why
+
+
+def fake_memory(value):
+    box = {"now": value}
+    return box, lambda: box["now"]
+
+
+def armed_head(engine, curve, limit):
+    box, read = fake_memory(curve.at[0])
+    engine.head._allocated = read
+    engine.head.curve, engine.head.state = curve, "measured"
+    engine.head.enable(limit)
+    return box
+
+
+def fire(engine, box, at, held):
+    box["now"] = at + held()
+    engine.head._fired()
+
+
+@pytest.mark.parametrize("kind", ["torch-foreach-default", "te", "te-precision-aware-bf16", "apex"])
+def test_chunks_come_in_during_the_last_backward_within_the_curve_and_stay_exact(kind, monkeypatch):
+    monkeypatch.setattr(head_mod, "_microbatches", lambda: 2)
+    base, opt = make(**OPTIMIZERS[kind]), make(**OPTIMIZERS[kind])
+    engine = engine_for(opt, 600)
+    engine._window_at(600, 4)
+    sizes = [s.nbytes for s in engine.transfers.window.slots]
+    assert len(engine.chunks) > 4 and len(sizes) == 4
+    # hooks per backward: 3. Memory frees as the last backward goes on; the curve leaves room for one
+    # slot at its first hook, two at its second, all four at its last
+    limit = 100_000
+    at = [90_000, 80_000, 60_000]
+    ahead = [limit - sizes[0], limit - sizes[0] - sizes[1], limit - sum(sizes)]
+    curve = Curve(at=at, ahead=ahead, first=3, hooks=6, microbatches=2)
+    for _ in range(3):
+        step(base)
+        box = armed_head(engine, curve, limit)
+        engine.offload()
+        engine.release()
+        held = lambda: engine.transfers.window.held
+        started = []
+        for k in range(6):
+            fire(engine, box, at[k - 3] if k >= 3 else 95_000, held)
+            started.append(len(engine.transfers.started))
+            # never more than the curve allows: the head plus what lies ahead within the limit
+            if k >= 3:
+                assert held() + ahead[k - 3] <= limit
+        assert started == [0, 0, 0, 1, 2, 4]  # nothing in the earlier backward, then slot by slot
+        engine.reload()
+        try:
+            opt.step_states()
+        finally:
+            engine.settle()
+            engine.synchronize()
+        assert_same(snapshot(base), snapshot(opt))
+    assert engine.head.prefetched == [4, 4, 4] and engine.head.state == "on"
+
+
+def test_a_step_off_the_curve_prefetches_no_more(monkeypatch):
+    monkeypatch.setattr(head_mod, "_microbatches", lambda: 1)
+    opt = make()
+    engine = engine_for(opt, 600)
+    engine._window_at(600, 4)
+    curve = Curve(at=[50_000, 40_000], ahead=[0, 0], first=0, hooks=2, microbatches=1)
+    box = armed_head(engine, curve, 10**9)
+    engine.offload()
+    engine.release()
+    box["now"] = 50_000 + margin(10**9) + 1  # more allocated than the first step had at this hook
+    engine.head._fired()
+    assert not engine.transfers.started and engine.head.stopped
+    box["now"] = 40_000
+    engine.head._fired()
+    assert not engine.transfers.started  # stopped for the rest of this step
+    engine.reload()
+    opt.step_states()
+    engine.settle()
+    assert engine.head.state == "on"  # the next step tries again
+
+
+def test_a_different_hook_count_turns_the_head_off_and_says_so(monkeypatch, caplog):
+    monkeypatch.setattr(head_mod, "_microbatches", lambda: 1)
+    opt = make()
+    engine = engine_for(opt, 600)
+    engine._window_at(600, 4)
+    armed_head(engine, Curve(at=[0, 0], ahead=[0, 0], first=0, hooks=2, microbatches=1), 10**9)
+    engine.offload()
+    engine.release()
+    engine.head._fired()  # one hook where the first step had two
+    with caplog.at_level(logging.INFO, logger="bridge_fgo"):
+        engine.reload()
+        opt.step_states()
+        engine.settle()
+    assert engine.head.state == "off" and "fired the gradient hooks 1 times, the first step 2" in caplog.text
+
+
+def test_chunks_copied_in_for_a_step_that_never_came_are_dropped(monkeypatch):
+    """A backward prefetched, then the step failed before gradient finalization: the next
+    forward-backward gives the slots back, and the states are exactly as before."""
+    monkeypatch.setattr(head_mod, "_microbatches", lambda: 1)
+    base, opt = make(), make()
+    engine = engine_for(opt, 600)
+    engine._window_at(600, 4)
+    curve = Curve(at=[0], ahead=[0], first=0, hooks=1, microbatches=1)
+    armed_head(engine, curve, 10**9)
+    engine.offload()
+    engine.release()
+    engine.head._fired()
+    assert engine.transfers.started and engine.transfers.window.held
+    # no reload: the step ended in backward. The next one:
+    step(opt, engine)
+    step(base)
+    assert_same(snapshot(base), snapshot(opt))
+    assert engine.transfers.window.held == 0
+
+
+def test_the_hooks_fire_in_a_real_backward_and_only_inside_a_step():
+    opt = make()
+    engine = engine_for(opt, 600)
+    params = [p for g in opt.model_fp32_groups for p in g]
+    assert engine.head.attached and len(engine.head._handles) == len(params)
+    engine.head.in_step = True
+    sum(p.float().sum() for p in params).backward()
+    assert engine.head.hook == len(params)
+    engine.head.in_step = False
+    sum(p.float().sum() for p in params).backward()
+    assert engine.head.hook == len(params)  # a backward outside train_step is not counted
+    engine.close()
+    assert not engine.head.attached
+
+
+def test_without_a_gpu_nothing_is_measured_and_nothing_prefetched():
+    opt = make()
+    engine = engine_for(opt, 600)
+    for _ in range(2):
+        step(opt, engine)
+    assert engine.head.state == "off" and engine.head.why_off is None and not engine.head.prefetched
+    assert torch.cuda.is_available() or engine.head.describe() == "no prefetch during backward"
