@@ -50,6 +50,8 @@ def run(args):
     for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29517").items():
         os.environ.setdefault(k, v)
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    if args.act_offload:  # Bridge requires it with Transformer Engine >= 2.10 (its own activation offload off)
+        os.environ.setdefault("NVTE_CPU_OFFLOAD_V1", "1")
     if args.deterministic:  # before CUDA and NCCL start: Bridge asserts NCCL_ALGO; cuBLAS needs a fixed workspace
         os.environ.setdefault("NCCL_ALGO", "Ring")
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -147,7 +149,7 @@ def run(args):
                                                     torch.profiler.ProfilerActivity.CUDA]) as prof:
                 out = inner_step(forward_step_func, data_iterator, model, optimizer, *a, **k)
                 torch.cuda.synchronize()
-            write_profile(prof, (args.out or "bench") + f".profile-iter{len(recs)}.txt")
+            write_profile(prof, (args.out or "bench") + f".profile-iter{len(recs)}")
         else:
             out = inner_step(forward_step_func, data_iterator, model, optimizer, *a, **k)
         torch.cuda.synchronize()
@@ -209,8 +211,14 @@ def run(args):
                gradient_accumulation_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
                cross_entropy_loss_fusion=False)
     norm_override = {}
+    # --te-spec: Transformer Engine's layers (what Megatron-Bridge's activation offloading requires);
+    # else Megatron-Core's local spec, the same model in every optimizer stack
+    spec = (dict(transformer_impl="transformer_engine") if args.te_spec else
+            dict(transformer_layer_spec=norm_safe_spec(local_layer_spec, norm_override), transformer_impl="local"))
+    act = (dict(fine_grained_activation_offloading=True, offload_modules=args.act_offload_modules.split(","))
+           if args.act_offload else {})
     model = GPTModelProvider(
-        transformer_layer_spec=norm_safe_spec(local_layer_spec, norm_override), transformer_impl="local",
+        **spec, **act,
         num_layers=args.layers,
         hidden_size=args.hidden, ffn_hidden_size=args.ffn, num_attention_heads=args.heads, num_query_groups=args.groups,
         seq_length=1024, normalization="RMSNorm",
@@ -294,6 +302,8 @@ def run(args):
         "norm_override": norm_override or None,
         "layout": {"tp": args.tp, "pp": args.pp, "vpp": args.vpp, "ep": args.ep, "dp": dp, "experts": args.experts,
                    "deterministic": args.deterministic, "overlap": overlap},
+        "model_spec": "transformer_engine" if args.te_spec else "local",
+        "activation_offload": args.act_offload_modules.split(",") if args.act_offload else None,
         "checkpoint": {"save": args.save, "save_interval": args.save_interval, "async_save": args.async_save,
                        "load": args.load, "ckpt_step": args.ckpt_step, "resume_fix": args.resume_fix}, "megatron_core_from": os.path.dirname(sys.modules["megatron.core"].__file__),
         "te_adam_check_bypassed": args.bypass_te_adam_check, "world_size": int(os.environ.get("WORLD_SIZE", "1")),
@@ -476,6 +486,8 @@ ENGINE_KEYS = {
     "budget": (("builtin",), ("env", "BRIDGE_FGO_GPU_BUDGET_GIB")),
     # Megatron-Core's chunked line: the share of parameter bundles whose states are offloaded
     "fraction": (("flag", "auto"), ("arg", "--offload-fraction")),
+    # Megatron-Core's fine-grained activation offloading (act=1), beside whatever the mode offloads
+    "act": (("base", "builtin"), ("switch", "--act-offload")),
 }
 MODES = ("base", "builtin", "flag", "auto")
 _NUMBER = re.compile(r"[0-9]+(\.[0-9]+)?")
@@ -486,11 +498,20 @@ SYMBOLIC = {"budget": "half", "fraction": "moved"}
 _TAG = re.compile(r"[A-Za-z0-9._-]+")
 
 
-def write_profile(prof, path):
+def write_profile(prof, stem):
     """The profiled iteration's ops, by host time and by device time (top 60 each), and the count of
-    calls per op name: what the streamed step pays per chunk beyond its copies."""
+    calls per op name: what the streamed step pays per chunk beyond its copies (STEM.txt); and its
+    timeline, gzipped (STEM.trace.json.gz, for chrome://tracing or Perfetto): which stream waits for
+    which."""
+    import gzip
+    import shutil
+
+    prof.export_chrome_trace(stem + ".trace.json")
+    with open(stem + ".trace.json", "rb") as src, gzip.open(stem + ".trace.json.gz", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    os.remove(stem + ".trace.json")
     averages = prof.key_averages()
-    with open(path, "w") as f:
+    with open(stem + ".txt", "w") as f:
         for key in ("self_cpu_time_total", "self_device_time_total"):
             try:
                 f.write(f"## sorted by {key}\n" + averages.table(sort_by=key, row_limit=60) + "\n\n")
@@ -525,7 +546,10 @@ def parse_modes(text):
             if mode not in modes:
                 raise ValueError(f"{token!r}: {key}= applies to mode {' or '.join(modes)}, not {mode}")
             symbolic = value == SYMBOLIC.get(key)
-            if not symbolic and (not eq or not _NUMBER.fullmatch(value) or float(value) <= 0):
+            if kind == "switch":
+                if value != "1":
+                    raise ValueError(f"{token!r}: {key}= is a switch: {key}=1")
+            elif not symbolic and (not eq or not _NUMBER.fullmatch(value) or float(value) <= 0):
                 raise ValueError(f"{token!r}: {key}= needs a number > 0 (or {SYMBOLIC[key]}), got {value!r}")
             if key == "fraction" and not symbolic and float(value) > 1:
                 raise ValueError(f"{token!r}: fraction= is a share of the states, at most 1")
@@ -534,9 +558,11 @@ def parse_modes(text):
             run["extras"][key] = value
             if kind == "env":
                 run["env"][target] = value
+            elif kind == "switch":
+                run["args"] += [target]
             else:
                 run["args"] += [target, value]
-            run["tag"] += f"_{key}{value}"
+            run["tag"] += f"_{key}" if kind == "switch" else f"_{key}{value}"
         if tokens.count(token) > 1:
             run["tag"] += f"_{i}"
         if not _TAG.fullmatch(run["tag"]):
@@ -547,6 +573,11 @@ def parse_modes(text):
     if clash:
         raise ValueError(f"two different modes give the same tag {clash}")
     return out
+
+
+def streamed_tag(default_mb):
+    """The full-offload streamed run the targets judge: `builtin` (chunk_mb auto) or builtin<MB>."""
+    return "builtin" if default_mb in (None, "auto") else f"builtin{default_mb}"
 
 
 def _overhead(run, ref):
@@ -562,7 +593,7 @@ def checks(runs, default_mb, extras=None):
     runs (peak against budget, overhead against the full-offload streamed run's) and the chunked line
     (overhead ratios). `extras`: tag -> {key: value} from parse_modes."""
     extras = extras or {}
-    base, one, streamed = runs.get("base"), runs.get("builtin0"), runs.get(f"builtin{default_mb}")
+    base, one, streamed = runs.get("base"), runs.get("builtin0"), runs.get(streamed_tag(default_mb))
     dev_base = runs.get("dev-base")
     chunked_tags = [k for k in runs if k.startswith("dev-auto") and not extras.get(k)]
     chunked = runs[chunked_tags[0]] if chunked_tags else None
@@ -644,7 +675,29 @@ def checks(runs, default_mb, extras=None):
         line[tag] = entry
     if line:
         out["chunked_line"] = line
+    both = activation_offload(runs, default_mb)
+    if both:
+        out["activation_offload"] = both
     return out
+
+
+def activation_offload(runs, default_mb):
+    """The four cases of issue 24 (neither, activation offload alone, the streamed step alone, both):
+    whether the savings add up (both within 5% of the base's peak less both savings) and the overheads
+    too (both at most the sum of the two single overheads), and bit-identical losses."""
+    tag = streamed_tag(default_mb)
+    base, act, streamed, both = (runs.get(t) for t in ("base", "base_act", tag, f"{tag}_act"))
+    if not (base and act and streamed and both):
+        return None
+    peak = {k: r["steady_iter_peak_gib"] for k, r in (("base", base), ("act", act), ("streamed", streamed),
+                                                      ("both", both))}
+    additive = peak["base"] - (peak["base"] - peak["act"]) - (peak["base"] - peak["streamed"])
+    over = {k: _overhead(r, base) for k, r in (("act", act), ("streamed", streamed), ("both", both))}
+    return {"whole_iteration_peak_gib": peak, "both_expected_gib": additive,
+            "both_within_5pct_of_additive": peak["both"] <= 1.05 * additive,
+            "overhead_s": over, "both_overhead_at_most_sum": over["both"] <= over["act"] + over["streamed"],
+            "losses_bit_identical": len({json.dumps(r["losses"]) for r in (base, act, streamed, both)}) == 1,
+            "final_params_identical": len({r["final_params_sha256"] for r in (base, act, streamed, both)}) == 1}
 
 
 def peak_line(tag, s):
@@ -666,7 +719,7 @@ def resolve_symbolic(run, results, default_mb) -> bool:
         if run["extras"].get(key) != word:
             continue
         if key == "budget":
-            base, full = results.get("base"), results.get(f"builtin{default_mb}")
+            base, full = results.get("base"), results.get(streamed_tag(default_mb))
             if not (base and full):
                 return False
             value = f"{(base['steady_iter_peak_gib'] + full['steady_iter_peak_gib']) / 2:.3f}"
@@ -711,6 +764,7 @@ def run_all(args):
         cmd += ["--chunk-mb", str(run["chunk_mb"])] if run["chunk_mb"] is not None else []
         cmd += ["--precision-aware"] if args.precision_aware else []
         cmd += ["--recompute"] if args.recompute else []
+        cmd += ["--te-spec"] if args.te_spec else []
         cmd += ["--fp16"] if args.fp16 else []
         cmd += ["--bypass-te-adam-check"] if args.bypass_te_adam_check else []
         cmd += ["--profile-iter", str(args.profile_iter)] if args.profile_iter else []
@@ -725,7 +779,8 @@ def run_all(args):
         with open(path) as f:
             results[tag] = json.load(f)["summary"]
         print(peak_line(tag, results[tag]), flush=True)
-    summary = {"workload": "887M" + (" full recompute" if args.recompute else "") + (" fp16" if args.fp16 else ""),
+    summary = {"workload": "887M" + (" full recompute" if args.recompute else "") + (" fp16" if args.fp16 else "")
+               + (" TE spec" if args.te_spec else ""),
                "optimizer": args.optimizer + (" precision-aware" if args.precision_aware else ""),
                "modes": args.modes, "runs": results,
                "checks": checks(results, args.default_chunk_mb, {r["tag"]: r["extras"] for r in runs})}
@@ -760,6 +815,11 @@ def main():
     r.add_argument("--offload-fraction", type=float, metavar="F",
                    help="flag/auto on Megatron-Core's chunked line: optimizer_state_offload_fraction (0 < F <= 1)")
     r.add_argument("--recompute", action="store_true", help="full activation recomputation")
+    r.add_argument("--te-spec", action="store_true", help="Transformer Engine's layer spec (needs TE installed)")
+    r.add_argument("--act-offload", action="store_true",
+                   help="Megatron-Core's fine-grained activation offloading (needs --te-spec: Bridge requires TE)")
+    r.add_argument("--act-offload-modules", default="core_attn,attn_proj,qkv_linear",
+                   help="with --act-offload: offload_modules, comma-separated")
     r.add_argument("--save", help="save torch_dist checkpoints here (at the last iteration, or every --save-interval)")
     r.add_argument("--save-interval", type=int)
     r.add_argument("--async-save", action="store_true", help="Bridge's async_save=True")
@@ -793,8 +853,10 @@ def main():
                         "optimizer_state_offload_fraction), e.g. builtin:256+budget=16.2,dev-auto:256+fraction=0.5")
     add_optimizer_args(a)
     a.add_argument("--dev-mcore", default=".mlm", help="a Megatron-LM source tree (its megatron/core) for dev- modes")
-    a.add_argument("--default-chunk-mb", type=int, default=256, help="the window the targets judge")
+    a.add_argument("--default-chunk-mb", default="auto",
+                   help="the streamed run the targets judge: auto (mode builtin) or a chunk size (builtin:MB)")
     a.add_argument("--recompute", action="store_true")
+    a.add_argument("--te-spec", action="store_true", help="every run with Transformer Engine's layer spec")
     a.add_argument("--fp16", action="store_true")
     a.add_argument("--bandwidth", action="store_true", help="also measure pinned host<->device bandwidth")
     a.add_argument("--bypass-te-adam-check", action="store_true")
@@ -802,6 +864,9 @@ def main():
     args = ap.parse_args()
     if args.precision_aware and args.optimizer != "te":
         ap.error("--precision-aware needs --optimizer te (Megatron-Core takes it only from Transformer Engine's FusedAdam)")
+    if args.cmd == "run" and args.act_offload and not args.te_spec:
+        ap.error("--act-offload needs --te-spec: Megatron-Bridge allows activation offloading only with "
+                 "transformer_impl='transformer_engine'")
     if args.cmd == "run" and args.offload_fraction is not None:
         if not 0 < args.offload_fraction <= 1:
             ap.error("--offload-fraction must be in (0, 1]")

@@ -67,8 +67,10 @@ def main():
     from bridge_fgo.engine.streamed import StreamedEngine
 
     shapes = ((512, 1024), (4096,), (1000, 3), (257, 129), (3, 5), (2048, 2048))
+    # ring: four window slots; head: the first two chunks' copies started before gradient finalization,
+    # as the prefetch during backward starts them (engine/streamed/head.py)
     engines = [("streamed", 1), ("streamed", 3 * 2**20), ("streamed", 2**30), ("budget", 3 * 2**20),
-               ("one-window", 0)]
+               ("ring", 1), ("ring+head", 1), ("one-window", 0)]
     results, ok = [], True
     only = set(args.only.split(",")) if args.only else None
     harness.checked_passes().__enter__()  # for the whole run: every pass reads only whole storage
@@ -90,10 +92,15 @@ def main():
                             budget = (torch.cuda.max_memory_allocated() if args.device == "cuda" else 0) + 40 * 2**20
                         engine = StreamedEngine([opt], chunk, budget)
                     engine.prepare()
+                    if kind.startswith("ring"):
+                        engine._window_at(chunk, 4)
                 for _ in range(4):
                     if engine:
                         engine.offload()
                         engine.release()
+                        if kind == "ring+head":
+                            for i in range(2):
+                                engine.transfers.h2d(i)
                         engine.reload()
                         engine.wait_reload()
                     opt.step_states()
@@ -110,7 +117,7 @@ def main():
             row = {"optimizer": name, "inner": contracts.describe(opt.optimizer), "engine": kind,
                    "chunk_bytes": chunk, "bytes": engine.bytes, "bit_identical": same}
             if kind != "one-window":
-                row.update(chunks=len(engine.chunks), window_bytes=engine.window_bytes,
+                row.update(chunks=len(engine.chunks), slots=engine.plan.slots, window_bytes=engine.window_bytes,
                            resident_bytes=engine.resident_bytes, on_host=engine.on_host(), budget=engine.budget_note)
             engine.close()
             ok &= same

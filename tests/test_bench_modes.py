@@ -131,3 +131,25 @@ def test_symbolic_budget_and_fraction_come_from_the_runs_before():
     assert runs[3]["args"] == ["--offload-fraction", "0.7500"]
     with pytest.raises(ValueError, match="or half"):
         bench.parse_modes("builtin:256+budget=quarter")
+
+
+def test_activation_offload_is_a_switch_on_base_and_builtin():
+    runs = bench.parse_modes("base,base+act=1,builtin,builtin+act=1")
+    assert [(r["tag"], r["args"]) for r in runs] == [("base", []), ("base_act", ["--act-offload"]),
+                                                      ("builtin", []), ("builtin_act", ["--act-offload"])]
+    for bad in ("builtin+act=2", "dev-auto:256+act=1", "builtin+act"):
+        with pytest.raises(ValueError):
+            bench.parse_modes(bad)
+
+
+def test_checks_judge_the_four_activation_offload_cases_and_the_auto_window():
+    results = {"base": summary(0.6, 20.0), "base_act": summary(0.7, 16.0), "builtin": summary(0.8, 10.0),
+               "builtin_act": summary(0.85, 6.2)}
+    c = bench.checks(results, "auto")
+    a = c["activation_offload"]
+    assert a["both_expected_gib"] == pytest.approx(6.0) and a["both_within_5pct_of_additive"]
+    assert a["overhead_s"]["both"] == pytest.approx(0.25) and a["both_overhead_at_most_sum"]
+    assert c["builtin_overhead_s"] == pytest.approx(0.2)  # the auto window is the streamed run judged
+    results["builtin_act"] = summary(1.2, 7.0)
+    a = bench.checks(results, "auto")["activation_offload"]
+    assert not a["both_within_5pct_of_additive"] and not a["both_overhead_at_most_sum"]

@@ -192,3 +192,28 @@ def test_without_a_gpu_nothing_is_measured_and_nothing_prefetched():
         step(opt, engine)
     assert engine.head.state == "off" and engine.head.why_off is None and not engine.head.prefetched
     assert torch.cuda.is_available() or engine.head.describe() == "no prefetch during backward"
+
+
+def test_a_failing_prefetch_never_fails_backward(monkeypatch, caplog):
+    monkeypatch.setattr(head_mod, "_microbatches", lambda: 1)
+    base, opt = make(), make()
+    engine = engine_for(opt, 600)
+    engine._window_at(600, 4)
+    armed_head(engine, Curve(at=[0], ahead=[0], first=0, hooks=1, microbatches=1), 10**9)
+
+    def no_memory(*a, **k):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory (a stand-in)")
+
+    monkeypatch.setattr(engine.transfers.window, "slot", no_memory)
+    engine.offload()
+    engine.release()
+    with caplog.at_level(logging.WARNING, logger="bridge_fgo"):
+        engine.head._fired()  # raises nothing
+    assert "prefetch during backward failed (OutOfMemoryError" in caplog.text and engine.head.state == "off"
+    monkeypatch.undo()
+    engine.reload()
+    opt.step_states()
+    engine.settle()
+    engine.synchronize()
+    step(base)
+    assert_same(snapshot(base), snapshot(opt))

@@ -186,14 +186,20 @@ class Head:
             return  # a backward outside train_step
         k = self.hook
         self.hook += 1
-        if self.state == "measuring":
-            import torch
+        try:
+            if self.state == "measuring":
+                import torch
 
-            a = torch.empty(MARKS[0], dtype=torch.uint8, device=self.plan.device)
-            b = torch.empty(MARKS[1], dtype=torch.uint8, device=self.plan.device)
-            del a, b
-        elif self.state == "on" and not self.stopped and k >= self.curve.first:
-            self._prefetch(k - self.curve.first)
+                a = torch.empty(MARKS[0], dtype=torch.uint8, device=self.plan.device)
+                b = torch.empty(MARKS[1], dtype=torch.uint8, device=self.plan.device)
+                del a, b
+            elif self.state == "on" and not self.stopped and k >= self.curve.first:
+                self._prefetch(k - self.curve.first)
+        except Exception as exc:  # inside autograd: never fail the training's backward for a prefetch
+            logger.warning("%sprefetch during backward failed (%s: %s); the update copies its chunks in itself "
+                           "from here on", rank_prefix(), type(exc).__name__, exc)
+            self.why_off = self.why_off or f"it failed: {type(exc).__name__}"
+            self.state, self.curve, self.stopped = "off", None, True
 
     def _prefetch(self, j: int) -> None:
         """Hook j of the last backward: fill the next slots while the curve allows."""
