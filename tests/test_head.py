@@ -32,26 +32,31 @@ def mark(addr):
 
 
 def test_the_curve_of_the_last_backward_is_read_from_the_allocators_trace():
-    # two microbatches of: forward (+300), backward (three hooks, activations freed 100 at a time, a
-    # 50-byte spike inside the second layer's backward)
+    # two microbatches of: forward (+300 blocks), backward (three hooks, activations freed 100 blocks at
+    # a time, a 50-block spike inside the second layer's backward); the trace gives requested sizes,
+    # the allocator counts 512-byte blocks
+    kb = 512
     trace = []
     for mb in range(2):
-        trace += [alloc(10 + mb, 300)]
-        trace += mark(100 + 10 * mb) + [free(10 + mb, 300), alloc(20 + mb, 200)]
-        trace += mark(200 + 10 * mb) + [alloc(30 + mb, 50), free(30 + mb, 50), free(20 + mb, 200),
-                                         alloc(40 + mb, 100)]
-        trace += mark(300 + 10 * mb) + [free(40 + mb, 100)]
+        trace += [alloc(10 + mb, 300 * kb)]
+        trace += mark(100 + 10 * mb) + [free(10 + mb, 300 * kb), alloc(20 + mb, 200 * kb)]
+        trace += mark(200 + 10 * mb) + [alloc(30 + mb, 50 * kb - 7), free(30 + mb, 50 * kb - 7),
+                                         free(20 + mb, 200 * kb), alloc(40 + mb, 100 * kb)]
+        trace += mark(300 + 10 * mb) + [free(40 + mb, 100 * kb), alloc(50 + mb, 4)]
     trace += [{"action": "segment_alloc", "addr": 1, "size": 10**9}, {"action": "free_completed", "addr": 2, "size": 5}]
-    curve, why = read_curve(trace, 1000, 1000, microbatches=2)
+    start = 1000 * kb
+    curve, why = read_curve(trace, start, start + 2 * kb, microbatches=2)  # two 4-byte tensors: two blocks
     assert why == "" and curve.hooks == 6 and curve.first == 3 and curve.microbatches == 2
-    assert curve.at == [1300, 1200, 1100]  # allocated at each hook of the last backward (markers excluded)
-    assert curve.ahead == [1300, 1250, 1100]  # the most allocated from there on: the spike counts
+    # allocated at each hook of the last backward (markers excluded), and the most from there on
+    assert curve.at == [start + kb + 300 * kb, start + kb + 200 * kb, start + kb + 100 * kb]
+    assert curve.ahead == [start + kb + 300 * kb, start + kb + 250 * kb, start + kb + 100 * kb]
 
 
 def test_a_curve_that_does_not_add_up_is_refused():
-    trace = [alloc(1, 100)] + mark(5) + [free(1, 100)]
+    big = 8 * 2**20  # more than the slack the allocator's other rounding settings may leave
+    trace = [alloc(1, big)] + mark(5) + [free(1, big)]
     assert read_curve(trace, 0, 0, 1)[0] is not None
-    curve, why = read_curve(trace[1:], 0, 0, 1)  # the trace lost an event
+    curve, why = read_curve(trace[:-1], 0, 0, 1)  # the trace lost an event
     assert curve is None and "does not add up" in why
     curve, why = read_curve(mark(5) + mark(6) + mark(7), 0, 0, 2)  # three hooks in two backwards
     assert curve is None and "not the same number in every backward" in why

@@ -17,9 +17,9 @@ MIB = 2**20
 GIB = 2**30
 
 
-def window_of(size, slots=2):
-    """A plan of 12 GiB of 4 MiB bundles: the window is `slots` chunks."""
-    return slots * size, size
+def window_of(size, slots=2, total=12 * GIB):
+    """A plan of `total` bytes of 4 MiB bundles: the window is `slots` chunks (at most one per chunk)."""
+    return min(slots, -(-total // size)) * size, size
 
 
 def test_the_window_grows_into_the_headroom_up_to_the_cap():
@@ -60,7 +60,7 @@ def test_scratch_comes_from_the_contract_unless_measured():
 
 def test_slots_never_outnumber_the_chunks():
     first = FirstStep(before=5 * GIB, backward=40 * GIB, base=4 * GIB, step=10 * GIB)
-    size, slots, _ = sizing.choose(window_of, first, 3 * GIB)
+    size, slots, _ = sizing.choose(lambda size, n: window_of(size, n, 3 * GIB), first, 3 * GIB)
     assert size == GIB and slots == 3  # three chunks of 1 GiB: a fourth slot would hold nothing
 
 
@@ -130,3 +130,19 @@ def test_auto_without_a_gpu_keeps_the_first_window(small_units):
     for _ in range(2):
         step(opt, engine)
     assert [c.nbytes for c in engine.chunks] == cut and "nothing measured (no GPU)" in engine.window_note
+
+
+def test_a_given_chunk_mb_keeps_its_size_and_takes_the_slots_the_headroom_holds(small_units, caplog):
+    base, opt = make(), make()
+    with caplog.at_level(logging.INFO, logger="bridge_fgo"):
+        engine = engine_for(opt, 600)
+        cut = [c.nbytes for c in engine.chunks]
+        # room for the whole plan: every chunk may have its own slot
+        engine.probe = measured(before=GIB // 2, backward=GIB, base=1024, step=GIB)
+        for _ in range(3):
+            step(base)
+            step(opt, engine)
+            assert_same(snapshot(base), snapshot(opt))
+    assert [c.nbytes for c in engine.chunks] == cut and engine.plan.chunk_bytes == 600
+    assert engine.plan.slots == len(cut) and engine.window_bytes == sum(cut)
+    assert "as chunk_mb gives" in engine.window_note and f"{len(cut)} slots" in engine.window_note

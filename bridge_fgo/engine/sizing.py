@@ -32,19 +32,30 @@ def choose(window_of: Callable[[int, int], Tuple[int, int]], first: FirstStep, t
     if total <= floor:
         return floor, 2, f"{FIRST_CHUNK_MB} MB: the states fit in one chunk"
     room = first.headroom()
-
-    def fits(size: int, slots: int) -> bool:
-        window, largest = window_of(size, slots)
-        return window + first.scratch(largest) <= room
-
     size = max(floor, min(MAX_CHUNK_MB * MIB, total))
-    while size > floor and not fits(size, 2):
+    while size > floor and not _fits(window_of, first, size, 2):
         size = max(floor, size - STEP_MB * MIB)
-    if size == floor and not fits(size, 2):
+    if size == floor and not _fits(window_of, first, size, 2):
         return floor, 2, (f"{FIRST_CHUNK_MB} MB, the least: a larger window would raise the peak "
                           f"({room / MIB:.0f} MiB of headroom); {first.describe()}")
-    slots = 2
-    while slots < -(-total // size) and fits(size, slots + 1):
-        slots += 1
-    return size, slots, (f"{size / MIB:.0f} MB, {slots} slots, the window {window_of(size, slots)[0] / MIB:.0f} MiB "
-                         f"within {room / MIB:.0f} MiB of headroom; {first.describe()}")
+    n = slots(window_of, first, size)
+    return size, n, (f"{size / MIB:.0f} MB, {n} slots, the window {window_of(size, n)[0] / MIB:.0f} MiB "
+                     f"within {room / MIB:.0f} MiB of headroom; {first.describe()}")
+
+
+def slots(window_of: Callable[[int, int], Tuple[int, int]], first: FirstStep, size: int) -> int:
+    """As many window slots of chunks of `size` as the headroom holds (two at least, one per chunk at
+    most): with chunk_mb=auto and with a chunk_mb given, whose chunk size stays as given."""
+    n = 2
+    while first.measured:
+        window = window_of(size, n)[0]
+        if window_of(size, n + 1)[0] == window or not _fits(window_of, first, size, n + 1):
+            break  # every chunk has its slot, or one more would raise the peak
+        n += 1
+    window_of(size, n)
+    return n
+
+
+def _fits(window_of, first: FirstStep, size: int, n: int) -> bool:
+    window, largest = window_of(size, n)
+    return window + first.scratch(largest) <= first.headroom()

@@ -31,6 +31,7 @@ from .transfers import Transfers
 from .update import Update
 
 GiB = 2**30
+MIB = 2**20
 
 
 def _weakly(method):
@@ -208,8 +209,13 @@ class StreamedEngine:
                                        max((p.contract.step_scratch for p in self.parts), default=0.0))
         if self.budget_bytes is not None:
             self._apply_budget(first)
-        if self.auto:
-            size, slots, why = sizing.choose(self._window_at, first, self.bytes)
+        if self.auto or first.measured:
+            if self.auto:
+                size, slots, why = sizing.choose(self._window_at, first, self.bytes)
+            else:  # the chunk size as given; the slots as the headroom allows
+                size = self.plan.chunk_bytes
+                slots = sizing.slots(self._window_at, first, size)
+                why = f"{size / MIB:.0f} MB as chunk_mb gives, {slots} slots within the headroom; {first.describe()}"
             self._window_at(size, slots)
             self.window_note = (f"window sized from the first step: {why}. {len(self.chunks)} chunk(s), the step adds "
                                 f"at most {self.window_bytes} bytes on the GPU")
