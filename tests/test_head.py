@@ -28,7 +28,9 @@ def free(addr, size):
 
 
 def mark(addr):
-    return [alloc(addr, MARKS[0]), alloc(addr + 1, MARKS[1]), free(addr, MARKS[0]), free(addr + 1, MARKS[1])]
+    # the allocator may note other things between the two marker allocations
+    return [alloc(addr, MARKS[0]), {"action": "free_completed", "addr": 7, "size": 512}, alloc(addr + 1, MARKS[1]),
+            free(addr, MARKS[0]), free(addr + 1, MARKS[1])]
 
 
 def test_the_curve_of_the_last_backward_is_read_from_the_allocators_trace():
@@ -116,6 +118,7 @@ def test_chunks_come_in_during_the_last_backward_within_the_curve_and_stay_exact
             engine.synchronize()
         assert_same(snapshot(base), snapshot(opt))
     assert engine.head.prefetched == [4, 4, 4] and engine.head.state == "on"
+    assert "the last step: 4 chunk(s), room up to" in engine.head.describe()
 
 
 def test_a_step_off_the_curve_prefetches_no_more(monkeypatch):
@@ -137,6 +140,7 @@ def test_a_step_off_the_curve_prefetches_no_more(monkeypatch):
     opt.step_states()
     engine.settle()
     assert engine.head.state == "on"  # the next step tries again
+    assert "the last step: 0 chunk(s), off the curve at hook 1" in engine.head.describe()
 
 
 def test_a_different_hook_count_turns_the_head_off_and_says_so(monkeypatch, caplog):

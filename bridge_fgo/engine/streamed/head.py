@@ -60,12 +60,17 @@ def read_curve(trace, start: int, end: int, microbatches: int) -> Tuple[Optional
     while i < n:
         e = trace[i]
         action, size = e.get("action"), e.get("size", 0)
-        if (action == "alloc" and size == MARKS[0] and i + 1 < n and trace[i + 1].get("action") == "alloc"
-                and trace[i + 1].get("size") == MARKS[1]):
-            marks.append((len(values), allocated))
-            skip.update((e.get("addr"), trace[i + 1].get("addr")))
-            i += 2
-            continue
+        if action == "alloc" and size == MARKS[0]:
+            # the second marker is the next allocation or free; the allocator may note other things
+            # between the two (a block of an earlier free completing: free_completed)
+            j = i + 1
+            while j < n and trace[j].get("action") not in ("alloc", "free_requested"):
+                j += 1
+            if j < n and trace[j].get("action") == "alloc" and trace[j].get("size") == MARKS[1]:
+                marks.append((len(values), allocated))
+                skip.update((e.get("addr"), trace[j].get("addr")))
+                i = j + 1
+                continue
         if action == "alloc":
             allocated += _block(size)
         elif action == "free_requested":
@@ -118,6 +123,8 @@ class Head:
         self.microbatches = 0
         self.start = 0
         self.prefetched: List[int] = []  # per step: chunks whose copy began in the last backward
+        self.step_note: dict = {}  # this step's: the most room seen, where it left the curve
+        self.last_note: dict = {}
         self._marks = None
 
     # -- hooks on the model's parameters ----------------------------------------------------------
@@ -160,6 +167,7 @@ class Head:
     def begin_step(self, measure: bool) -> None:
         """Forward-backward begins (offload): count hooks from here; the first streamed step measures."""
         self.hook, self.in_step, self.stopped = 0, True, False
+        self.step_note = {}
         self.microbatches = _microbatches()
         if self.state == "on" and self.microbatches != self.curve.microbatches:
             self.stopped = True  # a batch-size ramp: not the measured step's shape
@@ -173,6 +181,7 @@ class Head:
             return self._end_trace()
         if self.state == "on":
             self.prefetched.append(len(self.transfers.started))
+            self.last_note = self.step_note
             if self.hook != self.curve.hooks and not self.stopped:
                 self.off(f"a step fired the gradient hooks {self.hook} times, the first step {self.curve.hooks}")
         return None
@@ -215,10 +224,13 @@ class Head:
         window = t.window
         if j >= len(c.at):
             return
-        if self._memory() - window.held - self.offset > c.at[j] + margin(self.limit):
+        now = self._memory() - window.held - self.offset
+        if now > c.at[j] + margin(self.limit):
             self.stopped = True  # not where the first step was: prefetch nothing more this step
+            self.step_note["left"] = (j, now, c.at[j])
             return
         room = self.limit - c.ahead[j]
+        self.step_note["room"] = max(room, self.step_note.get("room", room))
         n = min(len(window.slots), len(self.plan.chunks))
         i = len(t.started)
         while i < n and i not in t.started:
@@ -266,8 +278,20 @@ class Head:
         return curve
 
     def describe(self) -> str:
-        if self.state == "on":
-            done = self.prefetched[-1] if self.prefetched else 0
-            return (f"during the last backward up to {min(len(self.transfers.window.slots), len(self.plan.chunks))} "
-                    f"chunk(s) come in early ({done} in the last step), by the curve measured in the first step")
-        return f"no prefetch during backward: {self.why_off}" if self.why_off else "no prefetch during backward"
+        if self.state != "on":
+            return f"no prefetch during backward: {self.why_off}" if self.why_off else "no prefetch during backward"
+        c, gib = self.curve, 2**30
+        text = (f"during the last backward up to {min(len(self.transfers.window.slots), len(self.plan.chunks))} "
+                f"chunk(s) come in early, by the curve the first step measured ({c.hooks // c.microbatches} hooks a "
+                f"backward, allocated {c.at[0] / gib:.2f} -> {c.at[-1] / gib:.2f} GiB, at most "
+                f"{(self.limit - c.ahead[-1]) / gib:.2f} GiB of room under {self.limit / gib:.2f} GiB)")
+        if self.prefetched:
+            n = self.last_note
+            text += f"; the last step: {self.prefetched[-1]} chunk(s)"
+            if "room" in n:
+                text += f", room up to {n['room'] / gib:.2f} GiB"
+            if "left" in n:
+                j, now, was = n["left"]
+                text += (f", off the curve at hook {j + 1}: {now / gib:.2f} GiB allocated where the first step had "
+                         f"{was / gib:.2f}")
+        return text
