@@ -7,6 +7,8 @@
   master weights, so release must come after; forward_backward_func follows right away.
 - model_config.finalize_model_grads_func: reload, overlapping gradient finalization, then wait for
   it before anything (the optimizer step) can read the states.
+- calc_params_l2_norm (train(), log_params_norm): served by the adapter where the masters are not on
+  the GPU after the step (the streamed step).
 
 Every wrapper passes its arguments through untouched: Bridge's signatures drift between versions.
 After unpatch() a wrapper still referenced somewhere (a running train(), a user's variable) is
@@ -14,6 +16,7 @@ transparent.
 """
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 from typing import Dict, Optional, Tuple
@@ -79,7 +82,7 @@ class CallSites:
         """The wrapt wrapper for a target, chosen by its role."""
         method = {targets.LOOP: self.train, targets.STEP: self.train_step,
                   targets.RELEASE_SITE: self.copy_helper, targets.BUILD: self.build_masters,
-                  targets.LOAD: self.load_checkpoint}[target.role]
+                  targets.LOAD: self.load_checkpoint, targets.PARAMS_NORM: self.params_norm}[target.role]
         return functools.partial(method, target.name)
 
     # -- deciding ---------------------------------------------------------------------------------
@@ -246,6 +249,18 @@ class CallSites:
             return wrapped(*args, **kwargs)
         finally:
             session.reload_end()
+
+    def params_norm(self, name, wrapped, instance, args, kwargs):
+        """Bridge's calc_params_l2_norm(model, ...) (train() after a step, with log_params_norm): Megatron-Core
+        and Bridge compute it as they do, reading each master where every adapter can present it."""
+        sessions = self.registry.sessions() if self.enabled else []
+        if not sessions:
+            return wrapped(*args, **kwargs)
+        model = argument(self.index[name], "model", args, kwargs)
+        with contextlib.ExitStack() as stack:
+            for session in sessions:
+                stack.enter_context(session.adapter.params_norm(model))
+            return wrapped(*args, **kwargs)
 
     # -- undoing ----------------------------------------------------------------------------------
     def synchronize(self) -> None:

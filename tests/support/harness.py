@@ -73,7 +73,9 @@ def make_distributed_optimizer(events: Recorder, with_tensors: bool = False, see
     gradients from `decoupled_grad`; shard_fp32_from_float16_groups holds None.
     groups: param groups (parameters dealt round-robin), as Megatron-Core makes them for weight decay
     and learning-rate multipliers.
-    device: where the "GPU" tensors live (cpu in the tests; cuda in scripts/check_streamed_cuda.py)."""
+    device: where the "GPU" tensors live (cpu in the tests; cuda in scripts/check_streamed_cuda.py).
+    Each bf16 model param gets `main_param` (its master, None under the precision-aware optimizer) and
+    `main_param_sharded`, as Megatron-Core's _build_model_and_main_param_groups sets them."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer, Range
 
     class StandInDistributedOptimizer(DistributedOptimizer):
@@ -144,6 +146,8 @@ def make_distributed_optimizer(events: Recorder, with_tensors: bool = False, see
         else:
             opt.shard_fp32_from_float16_groups = [[p.detach().view(-1).clone().float() for p in model16]]
             mains = [*opt.shard_fp32_from_float16_groups[0], *opt.shard_fp32_groups[0]]
+        for model_param, master in zip(model16, opt.shard_fp32_from_float16_groups[0]):
+            model_param.main_param, model_param.main_param_sharded = master, True
         param_groups = [{"params": mains[i::groups], "wd_mult": 1.0 / (i + 1)} for i in range(groups)]
         # what DistributedOptimizer.__init__ builds for its checkpoint readers: model param -> (group, index)
         opt.model_param_group_index_map = {model: (j % groups, j // groups)
@@ -214,6 +218,40 @@ def checked_passes():
         return real(inner, state, params_by_group)
 
     with mock.patch.object(update, "step_subset", checked):
+        yield
+
+
+@contextlib.contextmanager
+def model_parallel():
+    """Megatron-Core's process groups (parallel_state) over one gloo rank, taken down again after."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        parallel_state.initialize_model_parallel()
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def cuda_buffers_on_cpu():
+    """Bridge's calc_params_l2_norm and Megatron-Core's local multi_tensor_l2norm make their few small
+    buffers with torch.tensor / torch.zeros(..., device="cuda"): without a GPU those are made on the CPU,
+    nothing else changes."""
+    import torch
+
+    def on_cpu(make):
+        def made(*args, **kwargs):
+            if kwargs.get("device") == "cuda":
+                kwargs["device"] = "cpu"
+            return make(*args, **kwargs)
+
+        return made
+
+    with mock.patch.multiple(torch, tensor=on_cpu(torch.tensor), zeros=on_cpu(torch.zeros)):
         yield
 
 
@@ -308,7 +346,7 @@ class Rig:
         self.events = events if events is not None else Recorder()
         self.cfg = cfg if cfg is not None else config_container()
         self.model_config = types.SimpleNamespace(
-            finalize_model_grads_func=finalize_recorder(self.events), seq_length=8)
+            finalize_model_grads_func=finalize_recorder(self.events), seq_length=8, bf16=True)
         self.model = [ModelChunk(self.model_config, self.events)]
         self.dist_optimizer = make_distributed_optimizer(self.events, with_tensors=with_tensors, **optimizer_kw)
         self.optimizer = ChainedOptimizer([self.dist_optimizer], self.events, step_result=step_result)

@@ -25,6 +25,7 @@ from ...log import logger, rank_prefix
 from .. import budget, firststep, sizing
 from ..firststep import margin
 from .head import Head
+from .norms import Norms
 from .plan import Plan
 from .readers import TORN_FIX, Readers
 from .transfers import Transfers
@@ -41,11 +42,14 @@ def _weakly(method):
 
 
 class StreamedEngine:
-    def __init__(self, dist_optimizers, chunk_bytes: int, budget_bytes: Optional[int] = None, auto: bool = False):
+    def __init__(self, dist_optimizers, chunk_bytes: int, budget_bytes: Optional[int] = None, auto: bool = False,
+                 norms_in_update: bool = False):
         self.plan = Plan(dist_optimizers, chunk_bytes)
         self.transfers = Transfers(self.plan)
         self.readers = Readers(self.plan, self.transfers, _weakly(self.synchronize))
-        self.update = Update(self.plan, self.transfers, self.readers, _weakly(self.synchronize))
+        self.norms = Norms(self.plan, self.transfers)
+        self.norms.in_update = norms_in_update  # log_params_norm: each master's norm taken in its pass
+        self.update = Update(self.plan, self.transfers, self.readers, _weakly(self.synchronize), self.norms)
         self.head = Head(self.plan, self.transfers)
         self.budget_bytes = budget_bytes
         self.budget_note: Optional[str] = None

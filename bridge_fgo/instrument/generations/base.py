@@ -5,6 +5,7 @@ Nothing here imports torch or Megatron.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Dict, List, Optional, Tuple
 
 
@@ -51,6 +52,11 @@ class Adapter:
 
     def after_load(self) -> None:
         """A checkpoint load has run (prepare() ran before it): states it replaced go where they live."""
+
+    def params_norm(self, model):
+        """A context manager around Bridge's calc_params_l2_norm(model, ...): the masters it reads where it
+        can read them."""
+        return contextlib.nullcontext()
 
     def end_training(self) -> bool:
         """train() returned or raised: let nothing of bridge_fgo's (pinned memory) outlive it. True if
