@@ -89,6 +89,13 @@ class BuiltinAdapter:
             self.engine.after_load()
 
     # -- what reads the masters after the step (the one window has them on the GPU then) ----------------
+    def defer_clip_qk(self, model, clip_qk) -> None:
+        if self.chunk_mb:
+            self.engine.defer_clip_qk(model, clip_qk)
+
+    def finish_clip_qk(self, model) -> Optional[float]:
+        return self.engine.qk.finish(model) if self.chunk_mb else None
+
     def params_norm(self, model):
         return self.engine.norms.presented(model) if self.chunk_mb else contextlib.nullcontext()
 

@@ -230,9 +230,11 @@ class Transfers:
         self.started = set()
 
     @contextlib.contextmanager
-    def on_device(self, entries: List[Entry]):
+    def on_device(self, entries: List[Entry], write_back: bool = False):
         """These entries' host copies in one GPU scratch tensor, brought after every copy in flight and
-        yielded as (entry, view) pairs (outside an update: a master's norm)."""
+        yielded as (entry, view) pairs (outside an update: a master's norm, a qk_clip). With write_back
+        (masters only) each master is bound to its view meanwhile, then copied back into its host copy
+        (the new tail, which readers and the next update's copies wait for) and bound as it was."""
         import torch
 
         at, end = [], 0
@@ -247,9 +249,19 @@ class Transfers:
             done = self.copies.copy("h2d", view, e.host, after)
             views.append((e, view))
         self.copies.compute_wait(done)
+        priors = []
         try:
+            if write_back:
+                for e, view in views:
+                    priors.append(e.param.data)
+                    e.param.data = view
             yield views
         finally:
+            if write_back:
+                after = [self.copies.compute_event()]
+                for (e, view), prior in zip(views, priors):
+                    self.tail = self.copies.copy("d2h", e.host, view, after)
+                    e.param.data = prior
             self.copies.retire(scratch)  # reused only after the copies that read or wrote it
 
     @staticmethod

@@ -5,8 +5,9 @@ _copy_main_params_to_model_params are instance attributes that run the update he
 kept on the GPU (gpu_budget_gib) in place, then every chunk through a window slot. A chunk's pass is
 the inner optimizer's own step() over its parameters (engine/update.py: every param group at its
 index, group-level values as before the step, written back once), then Megatron-Core's own
-master -> model copy narrowed to the chunk's masters, then the chunk's copy back to the host and its
-masters' norms (norms.py); the host-to-device copy of the next chunk (of the chain) and the device-to-host copy of the one before
+master -> model copy narrowed to the chunk's masters, then the qk_clip of the layers whose masters are
+in the chunk (qkclip.py), the chunk's copy back to the host, and its masters' norms (norms.py); the
+host-to-device copy of the next chunk (of the chain) and the device-to-host copy of the one before
 overlap it. Both are per-parameter, so losses and parameters are bit-identical to one update over
 everything.
 
@@ -25,14 +26,15 @@ from .. import update as subset
 from ..tensors import MASTER, Bindings
 from .norms import Norms
 from .plan import Part, Plan
+from .qkclip import QKClip
 from .readers import TORN_FIX, Readers
 from .transfers import Transfers, keep
 
 
 class Update:
-    def __init__(self, plan: Plan, transfers: Transfers, readers: Readers, synchronize, norms: Norms):
+    def __init__(self, plan: Plan, transfers: Transfers, readers: Readers, synchronize, norms: Norms, qk: QKClip):
         self.plan, self.transfers, self.readers = plan, transfers, readers
-        self.norms = norms
+        self.norms, self.qk = norms, qk
         self._synchronize = synchronize  # the engine's: the tail done, torn if that fails
         self.armed = False
         self._hooks = subset.Shadows()  # step hooks while armed
@@ -141,6 +143,7 @@ class Update:
             for e, view in views:
                 keep(part, b, e, view)
             self._copy_masters(part, [bd.param for bd in chunk.bundles])
+            self.qk.in_pass(chunk.index)
             t.d2h(chunk, slot)
             self.norms.passed(views)  # on the compute stream: the slot is refilled only after it
             for e, view in views:
