@@ -113,6 +113,8 @@ def test_the_target_table():
         ("train_step", "megatron.bridge.training.train", "step"),
         ("_handle_mxfp8_param_buffer_copy", "megatron.bridge.training.train", "release-site"),
         ("load_checkpoint", "megatron.bridge.training.checkpointing", "load"),
+        ("calc_params_l2_norm", "megatron.bridge.training.train", "params-norm"),
+        ("clip_qk", "megatron.bridge.training.train", "qk-clip"),
         ("_build_model_and_main_param_groups", "megatron.core.optimizer.distrib_optimizer", "build"),
     ]
     assert targets.target("_build_model_and_main_param_groups").qualname == (

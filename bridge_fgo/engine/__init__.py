@@ -16,6 +16,7 @@ Session. Importing this package imports no torch.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Dict, List, Optional
 
@@ -30,13 +31,15 @@ GIB = 2**30
 class BuiltinAdapter:
     """The builtin engine behind a Session: the streamed step (chunk_mb > 0), or one window."""
 
-    def __init__(self, dist_optimizers: List[object], chunk_mb: int, gpu_budget_gib: Optional[float] = None):
+    def __init__(self, dist_optimizers: List[object], chunk_mb: int, gpu_budget_gib: Optional[float] = None,
+                 params_norm: bool = False):
         from .onewindow import OneWindowEngine
         from .streamed import StreamedEngine
 
         self.chunk_mb = chunk_mb
         budget = None if gpu_budget_gib is None else int(gpu_budget_gib * GIB)
-        self.engine = (StreamedEngine(dist_optimizers, first_chunk_mb(chunk_mb) * MIB, budget, auto=chunk_mb == AUTO)
+        self.engine = (StreamedEngine(dist_optimizers, first_chunk_mb(chunk_mb) * MIB, budget, auto=chunk_mb == AUTO,
+                                      norms_in_update=params_norm)
                        if chunk_mb else OneWindowEngine(dist_optimizers))
         self.fit: Optional[hostmem.HostFit] = None
         self.n_optimizers = len(dist_optimizers)
@@ -84,6 +87,17 @@ class BuiltinAdapter:
     def after_load(self) -> None:
         if self.chunk_mb:
             self.engine.after_load()
+
+    # -- what reads the masters after the step (the one window has them on the GPU then) ----------------
+    def defer_clip_qk(self, model, clip_qk) -> None:
+        if self.chunk_mb:
+            self.engine.defer_clip_qk(model, clip_qk)
+
+    def finish_clip_qk(self, model) -> Optional[float]:
+        return self.engine.qk.finish(model) if self.chunk_mb else None
+
+    def params_norm(self, model):
+        return self.engine.norms.presented(model) if self.chunk_mb else contextlib.nullcontext()
 
     def close(self) -> None:
         self.engine.close()
@@ -137,6 +151,10 @@ class BuiltinAdapter:
         return out
 
 
-def build(dist_optimizers, options) -> BuiltinAdapter:
-    return BuiltinAdapter(dist_optimizers, chunk_mb=options.chunk_mb, gpu_budget_gib=options.gpu_budget_gib)
+def build(dist_optimizers, options, cfg=None) -> BuiltinAdapter:
+    """`cfg`: Bridge's ConfigContainer; with cfg.logger.log_params_norm the streamed step takes each master's
+    norm in its pass, for the norm train() logs after every step."""
+    log_params_norm = bool(getattr(getattr(cfg, "logger", None), "log_params_norm", False))
+    return BuiltinAdapter(dist_optimizers, chunk_mb=options.chunk_mb, gpu_budget_gib=options.gpu_budget_gib,
+                          params_norm=log_params_norm)
 

@@ -6,7 +6,10 @@
   pass inside train_step's rerun loop): offload before it, release after it. The copy reads the fp32
   master weights, so release must come after; forward_backward_func follows right away.
 - model_config.finalize_model_grads_func: reload, overlapping gradient finalization, then wait for
-  it before anything (the optimizer step) can read the states.
+  it before anything (the optimizer step) can read the states; with cfg.model.qk_clip, clip_qk is
+  deferred there (every rank reaches finalization in the same order).
+- clip_qk (train_step, after optimizer.step()) and calc_params_l2_norm (train(), log_params_norm):
+  served by the adapter where the masters are not on the GPU after the step (the streamed step).
 
 Every wrapper passes its arguments through untouched: Bridge's signatures drift between versions.
 After unpatch() a wrapper still referenced somewhere (a running train(), a user's variable) is
@@ -14,6 +17,7 @@ transparent.
 """
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 from typing import Dict, Optional, Tuple
@@ -74,12 +78,16 @@ class CallSites:
         # id(model config) -> (the config, the wrapper installed there): restored by close()
         self.finalizers: Dict[int, Tuple[object, ReloadingFinalize]] = {}
         self._current: contextvars.ContextVar = contextvars.ContextVar("bridge_fgo_session", default=None)
+        # while train_step runs: (its model, whether Bridge will call clip_qk(model) after the step)
+        self._step: contextvars.ContextVar = contextvars.ContextVar("bridge_fgo_step", default=None)
+        self.originals: Dict[str, object] = {}  # target name -> the function the patch wraps (patcher)
 
     def site(self, target: targets.Target):
         """The wrapt wrapper for a target, chosen by its role."""
         method = {targets.LOOP: self.train, targets.STEP: self.train_step,
                   targets.RELEASE_SITE: self.copy_helper, targets.BUILD: self.build_masters,
-                  targets.LOAD: self.load_checkpoint}[target.role]
+                  targets.LOAD: self.load_checkpoint, targets.PARAMS_NORM: self.params_norm,
+                  targets.QK_CLIP: self.clip_qk}[target.role]
         return functools.partial(method, target.name)
 
     # -- deciding ---------------------------------------------------------------------------------
@@ -185,11 +193,15 @@ class CallSites:
         if session is None:
             return wrapped(*args, **kwargs)
         session.prepare()
-        self._install_finalize(argument(self.index[name], "model", args, kwargs))
-        token = self._current.set(session)
+        model = argument(self.index[name], "model", args, kwargs)
+        self._install_finalize(model)
+        cfg = getattr(argument(self.index[name], "global_state", args, kwargs), "cfg", None)
+        clips = bool(getattr(getattr(cfg, "model", None), "qk_clip", False))  # Bridge's own condition
+        token, step = self._current.set(session), self._step.set((model, clips))
         try:
             result = wrapped(*args, **kwargs)
         finally:
+            self._step.reset(step)
             self._current.reset(token)
             session.ensure_resident()
         session.steps += 1
@@ -243,9 +255,35 @@ class CallSites:
             return wrapped(*args, **kwargs)
         session.reload_begin()
         try:
-            return wrapped(*args, **kwargs)
+            result = wrapped(*args, **kwargs)
         finally:
             session.reload_end()
+        step, clip_qk = self._step.get(), self.originals.get("clip_qk")
+        if step is not None and step[1] and clip_qk is not None:
+            session.adapter.defer_clip_qk(step[0], clip_qk)
+        return result
+
+    def clip_qk(self, name, wrapped, instance, args, kwargs):
+        """Bridge's clip_qk(model), right after optimizer.step(): what the adapter deferred at gradient
+        finalization is finished, and the max attention logit returned; otherwise Megatron-Core's own."""
+        session = self._current.get() if self.enabled else None
+        if session is not None:
+            served = session.adapter.finish_clip_qk(argument(self.index[name], "model", args, kwargs))
+            if served is not None:
+                return served
+        return wrapped(*args, **kwargs)
+
+    def params_norm(self, name, wrapped, instance, args, kwargs):
+        """Bridge's calc_params_l2_norm(model, ...) (train() after a step, with log_params_norm): Megatron-Core
+        and Bridge compute it as they do, reading each master where every adapter can present it."""
+        sessions = self.registry.sessions() if self.enabled else []
+        if not sessions:
+            return wrapped(*args, **kwargs)
+        model = argument(self.index[name], "model", args, kwargs)
+        with contextlib.ExitStack() as stack:
+            for session in sessions:
+                stack.enter_context(session.adapter.params_norm(model))
+            return wrapped(*args, **kwargs)
 
     # -- undoing ----------------------------------------------------------------------------------
     def synchronize(self) -> None:

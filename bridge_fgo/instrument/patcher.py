@@ -82,6 +82,7 @@ def _apply(p: _Patch, modules) -> None:
         if isinstance(original, _Target):  # a stale wrapper from an earlier patch: wrap what it wraps
             original = original.__wrapped__
         built[t.name] = (holder, original, _Target(original, cs.site(t)), t.owner is None)
+        cs.originals[t.name] = original
     # module-level targets only: `from module import name` elsewhere binds the same function
     aliases = [(mod, key, name) for name, (holder, orig, _, at_module) in built.items() if at_module
                for mod, key in targets.holders(orig) if mod is not holder]

@@ -104,7 +104,6 @@ def streamed(cfg, inner_optimizers) -> List[str]:
     from ..engine import contracts
 
     opt, ddp = getattr(cfg, "optimizer", None), getattr(cfg, "ddp", None)
-    model, log_cfg = getattr(cfg, "model", None), getattr(cfg, "logger", None)
     fix = "; or use the one-window engine: chunk_mb=0 (bridge-fgo-run --chunk-mb 0, BRIDGE_FGO_CHUNK_MB=0)"
     out = []
     if getattr(opt, "reuse_grad_buf_for_mxfp8_param_ag", False):
@@ -114,12 +113,6 @@ def streamed(cfg, inner_optimizers) -> List[str]:
         if getattr(ddp, name, False):
             out.append(f"cfg.ddp.{name}=True: quantizing master weights into parameters is one collective over all "
                        f"of them, which a chunked update cannot split; set it to False{fix}")
-    if getattr(model, "qk_clip", False):
-        out.append("cfg.model.qk_clip=True: clip_qk rewrites the query/key master weights on the GPU right after "
-                   f"the optimizer step, where the streamed step keeps them on the host; set it to False{fix}")
-    if log_cfg is not None and getattr(log_cfg, "log_params_norm", False):
-        out.append("cfg.logger.log_params_norm=True: the parameter norm is computed on the GPU from the master "
-                   f"weights, which live on the host between steps; set it to False{fix}")
     out += checkpoint(cfg, "a background writer would read host buffers that the next step rewrites", fix)
     ckpt = getattr(cfg, "checkpoint", None)
     if ckpt is not None and any(_saves_or_loads_optim(ckpt)) and getattr(ckpt, "dist_ckpt_optim_fully_reshardable",

@@ -19,6 +19,8 @@ STEP = "step"  # one training step: decides, makes the Session current while it 
 RELEASE_SITE = "release-site"  # offload before it, release after it
 BUILD = "build"  # Megatron-Core makes the fp32 masters: made on the host, a batch at a time
 LOAD = "load"  # a checkpoint load: the states placed on the host before it, so it writes there
+PARAMS_NORM = "params-norm"  # the parameter norm train() logs: host-bound masters read as their norms
+QK_CLIP = "qk-clip"  # clip_qk after optimizer.step(): served inside the streamed update
 # Where Bridge (or a fork) would call offload methods if it wired offload itself.
 WIRING_ROLES = (LOOP, STEP)
 
@@ -68,6 +70,12 @@ TARGETS: Tuple[Target, ...] = (
     Target("load_checkpoint", CHECKPOINT_MODULE, LOAD,
            "a checkpoint load in setup: the engine takes the states onto the host first, so the load writes there",
            params=("state", "optimizer")),
+    Target("calc_params_l2_norm", TRAIN_MODULE, PARAMS_NORM,
+           "the parameter norm train() logs (log_params_norm): each master on the host read as its norm, taken in "
+           "the update", params=("model",)),
+    Target("clip_qk", TRAIN_MODULE, QK_CLIP,
+           "clip_qk after optimizer.step() (qk_clip): deferred at gradient finalization, each layer clipped in the "
+           "update's pass over its master", params=("model",)),
     Target("_build_model_and_main_param_groups", DIST_OPTIMIZER_MODULE, BUILD,
            "Megatron-Core's construction of the fp32 masters: run a batch of parameters at a time, masters to the host",
            params=("gbuf_ranges", "param_gbuf_map", "opt_group_ranges", "config"), owner="DistributedOptimizer"),

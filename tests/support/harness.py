@@ -58,7 +58,7 @@ OPTIMIZERS = ("torch", "te", "apex")  # what Megatron-Core builds: torch AdamW, 
 
 def make_distributed_optimizer(events: Recorder, with_tensors: bool = False, seed: int = 0,
                                shapes=((8, 8), (4, 8)), foreach=None, device="cpu", optimizer: str = "torch",
-                               precision_aware: bool = False, groups: int = 1, **te_kw):
+                               precision_aware: bool = False, groups: int = 1, model_params=None, **te_kw):
     """A real megatron.core DistributedOptimizer instance without its GPU-bound constructor.
 
     with_tensors: give it what the engines read, laid out as Megatron-Core does: bf16 model params
@@ -73,7 +73,11 @@ def make_distributed_optimizer(events: Recorder, with_tensors: bool = False, see
     gradients from `decoupled_grad`; shard_fp32_from_float16_groups holds None.
     groups: param groups (parameters dealt round-robin), as Megatron-Core makes them for weight decay
     and learning-rate multipliers.
-    device: where the "GPU" tensors live (cpu in the tests; cuda in scripts/check_streamed_cuda.py)."""
+    device: where the "GPU" tensors live (cpu in the tests; cuda in scripts/check_streamed_cuda.py).
+    model_params: a model's own bf16 parameters instead of `shapes` (support/attention.py): their data is
+    moved into the param buffer, values kept, as Megatron-Core's DDP does.
+    Each bf16 model param gets `main_param` (its master, None under the precision-aware optimizer) and
+    `main_param_sharded`, as Megatron-Core's _build_model_and_main_param_groups sets them."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer, Range
 
     class StandInDistributedOptimizer(DistributedOptimizer):
@@ -110,11 +114,18 @@ def make_distributed_optimizer(events: Recorder, with_tensors: bool = False, see
 
         ns = types.SimpleNamespace
         g = torch.Generator().manual_seed(seed)
+        if model_params is not None:
+            shapes = [tuple(p.shape) for p in model_params]
         sizes = [int(torch.Size(s).numel()) for s in shapes]
         param_buffer = torch.randn(sum(sizes), generator=g).bfloat16().to(device)
         model16, start = [], 0
-        for shape, n in zip(shapes, sizes):
-            model16.append(param_buffer[start:start + n].view(shape))
+        for i, (shape, n) in enumerate(zip(shapes, sizes)):
+            view = param_buffer[start:start + n].view(shape)
+            if model_params is not None:
+                view.copy_(model_params[i].detach())
+                model_params[i].data = view
+                view = model_params[i]
+            model16.append(view)
             start += n
         fp32_buffer = torch.randn(16, generator=g).to(device)
         fp32_model = torch.nn.Parameter(fp32_buffer.view(16))
@@ -144,6 +155,8 @@ def make_distributed_optimizer(events: Recorder, with_tensors: bool = False, see
         else:
             opt.shard_fp32_from_float16_groups = [[p.detach().view(-1).clone().float() for p in model16]]
             mains = [*opt.shard_fp32_from_float16_groups[0], *opt.shard_fp32_groups[0]]
+        for model_param, master in zip(model16, opt.shard_fp32_from_float16_groups[0]):
+            model_param.main_param, model_param.main_param_sharded = master, True
         param_groups = [{"params": mains[i::groups], "wd_mult": 1.0 / (i + 1)} for i in range(groups)]
         # what DistributedOptimizer.__init__ builds for its checkpoint readers: model param -> (group, index)
         opt.model_param_group_index_map = {model: (j % groups, j // groups)
@@ -217,6 +230,40 @@ def checked_passes():
         yield
 
 
+@contextlib.contextmanager
+def model_parallel():
+    """Megatron-Core's process groups (parallel_state) over one gloo rank, taken down again after."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        parallel_state.initialize_model_parallel()
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def cuda_buffers_on_cpu():
+    """Bridge's calc_params_l2_norm and Megatron-Core's local multi_tensor_l2norm make their few small
+    buffers with torch.tensor / torch.zeros(..., device="cuda"): without a GPU those are made on the CPU,
+    nothing else changes."""
+    import torch
+
+    def on_cpu(make):
+        def made(*args, **kwargs):
+            if kwargs.get("device") == "cuda":
+                kwargs["device"] = "cpu"
+            return make(*args, **kwargs)
+
+        return made
+
+    with mock.patch.multiple(torch, tensor=on_cpu(torch.tensor), zeros=on_cpu(torch.zeros)):
+        yield
+
+
 class ChainedOptimizer:
     """The outer optimizer train_step sees (Bridge builds Megatron-Core's ChainedOptimizer)."""
 
@@ -247,13 +294,16 @@ def finalize_recorder(events: Recorder):
     return functools.partial(finalize_model_grads, pg_collection=PG_COLLECTION)
 
 
-def forward_backward_func(events: Recorder, fail: Optional[BaseException] = None):
+def forward_backward_func(events: Recorder, fail: Optional[BaseException] = None, forward: Optional[Callable] = None):
+    """`forward(model)`: what the model's own forward leaves behind (TE's attention: its max logits)."""
     def schedule(*, forward_step_func, data_iterator, model, num_microbatches, seq_length, micro_batch_size,
                  decoder_seq_length=None, forward_only=False, adjust_tensor_shapes_fn=None, p2p_communicator=None,
                  pg_collection=None, **_):
         events.add("forward-backward")
         if fail is not None:
             raise fail
+        if forward is not None:
+            forward(model)
         config = model[0].config
         # Megatron-Core's schedules call it exactly so (pipeline_parallel/schedules.py)
         if config.finalize_model_grads_func is not None and not forward_only:
@@ -304,17 +354,24 @@ class Rig:
     """Everything one call of the real train_step needs."""
 
     def __init__(self, cfg=None, events: Optional[Recorder] = None, fail: Optional[BaseException] = None,
-                 step_result=(True, 1.0, 0), with_tensors: bool = False, **optimizer_kw):
+                 step_result=(True, 1.0, 0), with_tensors: bool = False, model: Optional[Callable] = None,
+                 forward: Optional[Callable] = None, **optimizer_kw):
+        """model(model_config, events): the model chunk (support/attention.py), whose bf16 parameters the
+        optimizer then holds, in reverse order as Megatron-Core's param buffer does; forward: as for
+        forward_backward_func."""
         self.events = events if events is not None else Recorder()
         self.cfg = cfg if cfg is not None else config_container()
         self.model_config = types.SimpleNamespace(
-            finalize_model_grads_func=finalize_recorder(self.events), seq_length=8)
-        self.model = [ModelChunk(self.model_config, self.events)]
+            finalize_model_grads_func=finalize_recorder(self.events), seq_length=8, bf16=True)
+        chunk = (model or ModelChunk)(self.model_config, self.events)
+        self.model = [chunk]
+        if model is not None:
+            optimizer_kw["model_params"] = list(chunk.parameters())[::-1]
         self.dist_optimizer = make_distributed_optimizer(self.events, with_tensors=with_tensors, **optimizer_kw)
         self.optimizer = ChainedOptimizer([self.dist_optimizer], self.events, step_result=step_result)
         self.scheduler = types.SimpleNamespace(step=lambda increment: self.events.add("scheduler.step"))
         self.global_state = types.SimpleNamespace(cfg=self.cfg, timers=lambda *a, **k: _Timer())
-        self.forward_backward_func = forward_backward_func(self.events, fail)
+        self.forward_backward_func = forward_backward_func(self.events, fail, forward)
         self.p2p = types.SimpleNamespace(is_pp_last_stage=False)  # skips the loss all-reduce
 
     def kwargs(self):

@@ -5,6 +5,8 @@ updates and reach the GPU a bounded window at a time, during the update itself.
     transfers.py  the host buffer, the GPU window and every copy between them
     update.py     the update while armed: the inner step over each chunk, torn states on failure
     readers.py    what reads the states between updates: guards, torn refusals, loads into host views
+    norms.py      the parameter norm Bridge logs: each master's norm taken in its pass
+    qkclip.py     qk_clip: deferred at gradient finalization, each layer clipped in its masters' pass
     engine.py     StreamedEngine: the call sites (prepare, offload, release, reload, settle, close)
 """
 from .engine import StreamedEngine

@@ -25,7 +25,9 @@ from ...log import logger, rank_prefix
 from .. import budget, firststep, sizing
 from ..firststep import margin
 from .head import Head
+from .norms import Norms
 from .plan import Plan
+from .qkclip import QKClip
 from .readers import TORN_FIX, Readers
 from .transfers import Transfers
 from .update import Update
@@ -41,11 +43,15 @@ def _weakly(method):
 
 
 class StreamedEngine:
-    def __init__(self, dist_optimizers, chunk_bytes: int, budget_bytes: Optional[int] = None, auto: bool = False):
+    def __init__(self, dist_optimizers, chunk_bytes: int, budget_bytes: Optional[int] = None, auto: bool = False,
+                 norms_in_update: bool = False):
         self.plan = Plan(dist_optimizers, chunk_bytes)
         self.transfers = Transfers(self.plan)
         self.readers = Readers(self.plan, self.transfers, _weakly(self.synchronize))
-        self.update = Update(self.plan, self.transfers, self.readers, _weakly(self.synchronize))
+        self.norms = Norms(self.plan, self.transfers)
+        self.norms.in_update = norms_in_update  # log_params_norm: each master's norm taken in its pass
+        self.qk = QKClip(self.plan, self.transfers, self.norms)
+        self.update = Update(self.plan, self.transfers, self.readers, _weakly(self.synchronize), self.norms, self.qk)
         self.head = Head(self.plan, self.transfers)
         self.budget_bytes = budget_bytes
         self.budget_note: Optional[str] = None
@@ -158,11 +164,17 @@ class StreamedEngine:
     def wait_reload(self) -> None:
         """Nothing to wait for before the step: each chunk waits for its own copy."""
 
+    def defer_clip_qk(self, model, clip_qk) -> None:
+        """After gradient finalization: clip_qk served inside the armed update (qkclip.py)."""
+        if self.update.armed:
+            self.qk.defer(model, clip_qk)
+
     def settle(self, wait: bool = False) -> None:
         """train_step is over (done, skipped, failed, or a rerun): the hooks removed, every entry bound
         to its host view, the window given back. The last device-to-host copies may still run
         (readers are guarded until they end) unless `wait`."""
         was_armed = self.update.disarm()
+        self.qk.reset()  # what was deferred and not finished (a rerun, an exit before the step) is dropped
         t = self.transfers
         if t.buffer is None:
             return

@@ -88,6 +88,9 @@ class Plan:
         self.chunks: List[layout.Chunk] = []
         self.device = None
         self.nbytes: Optional[int] = None  # the host buffer's size, once laid out
+        # Counts the times the masters' host copy may have been written outside an update (a take-over, a
+        # load, reload_model_params, a torn step): a norm taken before the last one is stale (norms.py)
+        self.writes = 0
 
     def lay_out(self) -> int:
         """Lay out every bundle (once); the host bytes the buffer needs."""
@@ -138,6 +141,10 @@ class Plan:
             t = b.get(e)
             if t is not None and not same(t, e.host):
                 yield part, b, e, t
+
+    def streamed_masters(self) -> Dict[int, Entry]:
+        """id(master) -> its entry, for every master that moves (not kept on the GPU by a budget)."""
+        return {id(e.param): e for _, _, e in self.streamed_entries() if e.kind == MASTER}
 
     def on_host(self) -> bool:
         """Every streamed entry that exists is bound to its host view."""

@@ -145,6 +145,7 @@ class Readers:
         Megatron-Core builds the sharded tensors torch_dist fills right after its own round trip
         through it (sharded_state_dict with is_loading): so the load writes into the pinned buffer."""
         inner = inner_ref()
+        self.plan.writes += 1  # the load writes the masters (here, or in the same DistributedOptimizer load)
         result = prior(*args, **kwargs) if prior is not None else type(inner).load_state_dict(inner, *args, **kwargs)
         if self.transfers.buffer is not None:
             self.transfers.take_all()
@@ -157,6 +158,7 @@ class Readers:
         Megatron-Core does not reload (TE's master_param) are made again as its first step makes them."""
         opt = opt_ref()
         part = self.plan.part_of(opt)
+        self.plan.writes += 1
         result = prior(*args, **kwargs) if prior is not None else type(opt).reload_model_params(opt, *args, **kwargs)
         inner = part.inner
         for bundle in part.bundles:
@@ -168,6 +170,7 @@ class Readers:
         """A checkpoint load ran: what it bound elsewhere than the host views (Transformer Engine's
         loader makes new tensors) is copied into them now, and its memory freed."""
         self._synchronize()
+        self.plan.writes += 1
         self.transfers.take_all()
         if self.states_after_load:
             self.states_after_load = False

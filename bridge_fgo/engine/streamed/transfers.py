@@ -8,6 +8,7 @@ overlap the next forward). `tail` is the last of them until someone waits (wait_
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import List
 
@@ -15,7 +16,7 @@ from ... import hostmem
 from ...errors import BridgeFGOError
 from ...log import once, rank_prefix
 from .. import construction, copies as copies_mod
-from ..tensors import MASTER, Bindings, Entry, owns_storage, same
+from ..tensors import MASTER, Bindings, Entry, aligned, owns_storage, same
 from .plan import Part, Plan
 
 WARM_BYTES = 32 * 2**20  # the first DMA pass's GPU scratch: small, it adds to the setup peak
@@ -78,6 +79,8 @@ class Transfers:
         A master keeps a storage-less tensor on the compute device as its shell (reload binds it)."""
         self.check_takeover(part, e, t)
         e.host.copy_(t.detach())
+        if e.kind == MASTER:
+            self.plan.writes += 1
         old = t.data  # a master is rebound in place (`master.data = view`): keep what it was bound to
         on_device = old.device == self.device
         if e.kind == MASTER:
@@ -162,6 +165,8 @@ class Transfers:
             return
         for part, _, e, t in pending:
             self.check_takeover(part, e, t)
+        if any(e.kind == MASTER for _, _, e, _ in pending):
+            self.plan.writes += 1
         after = [self.copies.compute_event(), self.tail]
         last = None
         for _, _, e, t in pending:
@@ -223,6 +228,41 @@ class Transfers:
         """The update is over (or never came): every slot given back, no chunk started."""
         self.window.close()
         self.started = set()
+
+    @contextlib.contextmanager
+    def on_device(self, entries: List[Entry], write_back: bool = False):
+        """These entries' host copies in one GPU scratch tensor, brought after every copy in flight and
+        yielded as (entry, view) pairs (outside an update: a master's norm, a qk_clip). With write_back
+        (masters only) each master is bound to its view meanwhile, then copied back into its host copy
+        (the new tail, which readers and the next update's copies wait for) and bound as it was."""
+        import torch
+
+        at, end = [], 0
+        for e in entries:
+            at.append(aligned(end, e.nbytes))
+            end = at[-1] + e.nbytes
+        scratch = torch.empty(end, dtype=torch.uint8, device=self.device)
+        after = [self.copies.compute_event(), self.tail]
+        views, done = [], None
+        for e, start in zip(entries, at):
+            view = scratch[start:start + e.nbytes].view(e.dtype).view(e.shape)
+            done = self.copies.copy("h2d", view, e.host, after)
+            views.append((e, view))
+        self.copies.compute_wait(done)
+        priors = []
+        try:
+            if write_back:
+                for e, view in views:
+                    priors.append(e.param.data)
+                    e.param.data = view
+            yield views
+        finally:
+            if write_back:
+                after = [self.copies.compute_event()]
+                for (e, view), prior in zip(views, priors):
+                    self.tail = self.copies.copy("d2h", e.host, view, after)
+                    e.param.data = prior
+            self.copies.retire(scratch)  # reused only after the copies that read or wrote it
 
     @staticmethod
     def views(chunk, slot) -> List[tuple]:

@@ -5,9 +5,11 @@ _copy_main_params_to_model_params are instance attributes that run the update he
 kept on the GPU (gpu_budget_gib) in place, then every chunk through a window slot. A chunk's pass is
 the inner optimizer's own step() over its parameters (engine/update.py: every param group at its
 index, group-level values as before the step, written back once), then Megatron-Core's own
-master -> model copy narrowed to the chunk's masters; the host-to-device copy of the next chunk (of
-the chain) and the device-to-host copy of the one before overlap it. Both are per-parameter, so
-losses and parameters are bit-identical to one update over everything.
+master -> model copy narrowed to the chunk's masters, then the qk_clip of the layers whose masters are
+in the chunk (qkclip.py), the chunk's copy back to the host, and its masters' norms (norms.py); the
+host-to-device copy of the next chunk (of the chain) and the device-to-host copy of the one before
+overlap it. Both are per-parameter, so losses and parameters are bit-identical to one update over
+everything.
 
 A failure after a pass has begun writing leaves the states torn (part of them at the next step):
 they are marked so (readers.py refuses steps and saves until a load) and the failure is raised.
@@ -22,14 +24,17 @@ from ...errors import BridgeFGOError
 from ...log import logger, once, rank_prefix
 from .. import update as subset
 from ..tensors import MASTER, Bindings
+from .norms import Norms
 from .plan import Part, Plan
+from .qkclip import QKClip
 from .readers import TORN_FIX, Readers
 from .transfers import Transfers, keep
 
 
 class Update:
-    def __init__(self, plan: Plan, transfers: Transfers, readers: Readers, synchronize):
+    def __init__(self, plan: Plan, transfers: Transfers, readers: Readers, synchronize, norms: Norms, qk: QKClip):
         self.plan, self.transfers, self.readers = plan, transfers, readers
+        self.norms, self.qk = norms, qk
         self._synchronize = synchronize  # the engine's: the tail done, torn if that fails
         self.armed = False
         self._hooks = subset.Shadows()  # step hooks while armed
@@ -138,7 +143,9 @@ class Update:
             for e, view in views:
                 keep(part, b, e, view)
             self._copy_masters(part, [bd.param for bd in chunk.bundles])
+            self.qk.in_pass(chunk.index)
             t.d2h(chunk, slot)
+            self.norms.passed(views)  # on the compute stream: the slot is refilled only after it
             for e, view in views:
                 if not e.dropped and b.get(e) is not None:
                     b.set(e, e.host)
@@ -185,6 +192,7 @@ class Update:
         Exception (KeyboardInterrupt, an in-process restart's RankShouldRestart) passes on as it is."""
         r = self.readers
         r.torn = torn or self.failure(exc)
+        self.plan.writes += 1  # the masters' norms are stale
         if not self.armed:
             r.guard()  # else settle() does, once the update's hooks are gone
         if isinstance(exc, Exception):

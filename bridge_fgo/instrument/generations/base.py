@@ -5,6 +5,7 @@ Nothing here imports torch or Megatron.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Dict, List, Optional, Tuple
 
 
@@ -51,6 +52,21 @@ class Adapter:
 
     def after_load(self) -> None:
         """A checkpoint load has run (prepare() ran before it): states it replaced go where they live."""
+
+    def defer_clip_qk(self, model, clip_qk) -> None:
+        """Gradient finalization is over (every rank reaches it in the same order) and Bridge's train_step
+        will call clip_qk(model) after optimizer.step(); `clip_qk` is Megatron-Core's own. Only an adapter
+        that keeps masters off the GPU after the step needs to act (the streamed step)."""
+
+    def finish_clip_qk(self, model) -> Optional[float]:
+        """Bridge's clip_qk(model) after the step: the max attention logit, for what defer_clip_qk took on;
+        None: nothing deferred, Megatron-Core's clip_qk runs as it is."""
+        return None
+
+    def params_norm(self, model):
+        """A context manager around Bridge's calc_params_l2_norm(model, ...): the masters it reads where it
+        can read them."""
+        return contextlib.nullcontext()
 
     def end_training(self) -> bool:
         """train() returned or raised: let nothing of bridge_fgo's (pinned memory) outlive it. True if

@@ -37,7 +37,7 @@ class _None(Generation):
         # (nor torch) in processes that never train
         from ... import engine
 
-        return engine.build(dist_optimizers, options)
+        return engine.build(dist_optimizers, options, cfg)
 
     def verdict(self) -> str:
         return ("offload will run (mode builtin): bridge_fgo's builtin engine offloads the distributed "
