@@ -226,3 +226,30 @@ def test_a_failing_prefetch_never_fails_backward(monkeypatch, caplog):
     engine.synchronize()
     step(base)
     assert_same(snapshot(base), snapshot(opt))
+
+
+def test_with_activation_offloading_the_head_keeps_out_of_backward_and_the_line_says_so(caplog):
+    """Megatron-Core's fine-grained activation offloading brings activations back during backward, on
+    backward's critical path, over the same link: the engine starts no copy there, and each rank's
+    lines say both offloads are active."""
+    import bridge_fgo
+    from support import harness
+    from test_streamed import BIG, rig_snapshot
+
+    cfg = harness.config_container(mxfp8_copy=False)
+    cfg.model.fine_grained_activation_offloading = True
+    cfg.model.offload_modules = ["core_attn", "attn_proj"]
+    base = harness.Rig(cfg=harness.config_container(mxfp8_copy=False), with_tensors=True, shapes=BIG)
+    harness.run_steps(base, steps=3)
+    bridge_fgo.patch(offload="builtin", chunk_mb=1)
+    with caplog.at_level(logging.INFO, logger="bridge_fgo"):
+        r = harness.Rig(cfg=cfg, with_tensors=True, shapes=BIG)
+        harness.run_steps(r, steps=3)
+    bridge_fgo.synchronize()
+    assert_same(rig_snapshot(base), rig_snapshot(r))
+    both = "Megatron-Core's fine-grained activation offloading is active too (offload_modules core_attn,attn_proj)"
+    assert any(both in m and "builtin engine ready" in m for m in caplog.messages)
+    assert any(both in m and "offload active" in m for m in caplog.messages)
+    (s,) = bridge_fgo.status().sessions
+    assert s["activation_offload"] == ["core_attn", "attn_proj"]
+    assert s["prefetch"].startswith("no prefetch during backward: Megatron-Core's fine-grained activation offloading")

@@ -32,7 +32,7 @@ class BuiltinAdapter:
     """The builtin engine behind a Session: the streamed step (chunk_mb > 0), or one window."""
 
     def __init__(self, dist_optimizers: List[object], chunk_mb: int, gpu_budget_gib: Optional[float] = None,
-                 params_norm: bool = False):
+                 params_norm: bool = False, activation_offload: Optional[List[str]] = None):
         from .onewindow import OneWindowEngine
         from .streamed import StreamedEngine
 
@@ -43,6 +43,12 @@ class BuiltinAdapter:
                        if chunk_mb else OneWindowEngine(dist_optimizers))
         self.fit: Optional[hostmem.HostFit] = None
         self.n_optimizers = len(dist_optimizers)
+        # Megatron-Core's fine-grained activation offloading shares the host link: activations go out
+        # during forward and come back during backward, on backward's critical path
+        self.activation_offload = activation_offload
+        if activation_offload is not None and chunk_mb:
+            self.engine.head.yield_to("Megatron-Core's fine-grained activation offloading brings activations back "
+                                      "during backward over the same link")
 
     # -- before the first step: check on every rank, agree, then pin (callsites) -----------------
     def check(self) -> None:
@@ -113,9 +119,17 @@ class BuiltinAdapter:
         return True
 
     # -- what it says ---------------------------------------------------------------------------------
+    def beside(self) -> str:
+        """What else offloads on this rank, as the per-rank lines say it."""
+        if self.activation_offload is None:
+            return ""
+        return ("; Megatron-Core's fine-grained activation offloading is active too (offload_modules "
+                f"{','.join(self.activation_offload)})"
+                + (": the optimizer states' copies keep out of backward" if self.chunk_mb else ""))
+
     def window(self) -> str:
         if not self.chunk_mb:
-            return "window: one (chunk_mb=0: every state back on the GPU for the optimizer step)"
+            return "window: one (chunk_mb=0: every state back on the GPU for the optimizer step)" + self.beside()
         e = self.engine
         size = (f"auto ({first_chunk_mb(AUTO)} MB chunks for the first step, then sized from it)" if e.auto
                 else f"{self.chunk_mb} MB chunks")
@@ -123,7 +137,7 @@ class BuiltinAdapter:
                 f"adds at most {e.window_bytes} bytes on the GPU")
         if e.resident_bytes:
             text += f"; {e.resident_bytes} bytes stay resident (gpu_budget_gib)"
-        return text
+        return text + self.beside()
 
     def describe(self) -> Dict[str, object]:
         e = self.engine
@@ -138,6 +152,7 @@ class BuiltinAdapter:
             "chunk_mb": self.chunk_mb,
             "setup_peak_bytes": e.setup_peak,
             "host_wait_s": round(e.host_wait.seconds, 4) if self.chunk_mb else None,
+            "activation_offload": self.activation_offload,
         }
         if self.chunk_mb:
             exposed = e.copies.exposed_s if e.copies is not None else []
@@ -153,8 +168,12 @@ class BuiltinAdapter:
 
 def build(dist_optimizers, options, cfg=None) -> BuiltinAdapter:
     """`cfg`: Bridge's ConfigContainer; with cfg.logger.log_params_norm the streamed step takes each master's
-    norm in its pass, for the norm train() logs after every step."""
+    norm in its pass, for the norm train() logs after every step; with the model's
+    fine_grained_activation_offloading the engine leaves backward's link to the activations."""
     log_params_norm = bool(getattr(getattr(cfg, "logger", None), "log_params_norm", False))
+    model = getattr(cfg, "model", None)
+    activations = (list(getattr(model, "offload_modules", None) or [])
+                   if getattr(model, "fine_grained_activation_offloading", False) else None)
     return BuiltinAdapter(dist_optimizers, chunk_mb=options.chunk_mb, gpu_budget_gib=options.gpu_budget_gib,
-                          params_norm=log_params_norm)
+                          params_norm=log_params_norm, activation_offload=activations)
 

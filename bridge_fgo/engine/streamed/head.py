@@ -191,6 +191,10 @@ class Head:
         if self.state == "measured":
             self.state, self.limit, self.offset = "on", limit, offset
 
+    def yield_to(self, why: str) -> None:
+        """Never prefetch (said in status, not logged: the per-rank line says why)."""
+        self.state, self.why_off, self.curve = "off", why, None
+
     def off(self, why: str) -> None:
         """No prefetch from here on (said once)."""
         self._stop_recording()
