@@ -175,6 +175,16 @@ def run(args):
         return out
 
     T.train_step = measured_step
+    norms = []
+    if args.log_params_norm:  # what train() logs each iteration (through bridge_fgo's wrapper when patched)
+        logged_norm = T.calc_params_l2_norm
+
+        def recorded_norm(*a, **k):
+            value = logged_norm(*a, **k)
+            norms.append(float(value))
+            return value
+
+        T.calc_params_l2_norm = recorded_norm
     if not os.path.exists(os.path.join(os.path.dirname(mcd.__file__), "Makefile")):
         from megatron.core.datasets import helpers_cpp  # noqa: F401  the wheel ships it prebuilt
 
@@ -246,7 +256,7 @@ def run(args):
                                        split="9999,8,2", dataloader_type="single", num_workers=1,
                                        persistent_workers=False, data_sharding=True,
                                        skip_getting_attention_mask_from_dataset=True),
-        logger=C.LoggerConfig(log_interval=1, tensorboard_dir=None),
+        logger=C.LoggerConfig(log_interval=1, tensorboard_dir=None, log_params_norm=args.log_params_norm),
         tokenizer=C.TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=32000),
         # --save: one synchronous torch_dist checkpoint at the last iteration (scripts/check_checkpoint.py)
         checkpoint=C.CheckpointConfig(save=args.save, load=args.load, ckpt_step=args.ckpt_step,
@@ -325,6 +335,7 @@ def run(args):
         # host memory: the process's resident peak (ru_maxrss, KiB on Linux), pinned buffer included
         "host_peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB,
         "losses": [r["loss"] for r in recs],
+        "params_norms": norms or None,
         "skipped_iters": [r["iter"] for r in recs if r["skipped"]],
         "final_params_sha256": h.hexdigest(),
         "sessions": report_holder.get("sessions", []),
@@ -678,7 +689,26 @@ def checks(runs, default_mb, extras=None):
     both = activation_offload(runs, default_mb)
     if both:
         out["activation_offload"] = both
+    norms = params_norms(runs)
+    if norms:
+        out["params_norm"] = norms
     return out
+
+
+def params_norms(runs):
+    """Each run's logged parameter norms against the base run's: the largest relative difference (0.0:
+    bit-identical), for issue 24's log_params_norm."""
+    base = (runs.get("base") or {}).get("params_norms")
+    if not base:
+        return None
+    out = {}
+    for tag, r in runs.items():
+        mine = r.get("params_norms")
+        if tag == "base" or not mine or len(mine) != len(base):
+            continue
+        out[tag] = {"identical": mine == base,
+                    "largest_relative_difference": max(abs(a - b) / abs(b) for a, b in zip(mine, base) if b)}
+    return out or None
 
 
 def activation_offload(runs, default_mb):
@@ -765,6 +795,7 @@ def run_all(args):
         cmd += ["--precision-aware"] if args.precision_aware else []
         cmd += ["--recompute"] if args.recompute else []
         cmd += ["--te-spec"] if args.te_spec else []
+        cmd += ["--log-params-norm"] if args.log_params_norm else []
         cmd += ["--fp16"] if args.fp16 else []
         cmd += ["--bypass-te-adam-check"] if args.bypass_te_adam_check else []
         cmd += ["--profile-iter", str(args.profile_iter)] if args.profile_iter else []
@@ -816,6 +847,8 @@ def main():
                    help="flag/auto on Megatron-Core's chunked line: optimizer_state_offload_fraction (0 < F <= 1)")
     r.add_argument("--recompute", action="store_true", help="full activation recomputation")
     r.add_argument("--te-spec", action="store_true", help="Transformer Engine's layer spec (needs TE installed)")
+    r.add_argument("--log-params-norm", action="store_true",
+                   help="Bridge's log_params_norm: the parameter norm after every step, recorded (params_norms)")
     r.add_argument("--act-offload", action="store_true",
                    help="Megatron-Core's fine-grained activation offloading (needs --te-spec: Bridge requires TE)")
     r.add_argument("--act-offload-modules", default="core_attn,attn_proj,qkv_linear",
@@ -857,6 +890,7 @@ def main():
                    help="the streamed run the targets judge: auto (mode builtin) or a chunk size (builtin:MB)")
     a.add_argument("--recompute", action="store_true")
     a.add_argument("--te-spec", action="store_true", help="every run with Transformer Engine's layer spec")
+    a.add_argument("--log-params-norm", action="store_true", help="every run logs the parameter norm (compared)")
     a.add_argument("--fp16", action="store_true")
     a.add_argument("--bandwidth", action="store_true", help="also measure pinned host<->device bandwidth")
     a.add_argument("--bypass-te-adam-check", action="store_true")

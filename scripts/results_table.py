@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""A markdown table of bench_offload.py runs: whole-iteration peak first, then the steady step, the
+"""A markdown table of bench_offload.py runs: the run's peak from process start first (setup, a load,
+every iteration), then the steady whole-iteration peak, the steady step, the
 optimizer-step phase (from gradient finalization to the end of train_step: where offload's copies
 are), the first iteration, the setup peak, and whether losses and final parameters match the folder's
 base run.
@@ -31,16 +32,17 @@ def rows(folder):
         same = None if base is None else (s["losses"] == base["losses"]
                                           and s["final_params_sha256"] == base["final_params_sha256"])
         moved = sess.get("bytes")
-        yield (tag, f"{s['steady_iter_peak_gib']:.2f}", f"{s['steady_step_median_s']:.3f}", f"{post:.3f}",
+        run_peak = s.get("run_peak_gib")
+        yield (tag, "-" if run_peak is None else f"{run_peak:.2f}", f"{s['steady_iter_peak_gib']:.2f}", f"{s['steady_step_median_s']:.3f}", f"{post:.3f}",
                f"{s['first_iter_s']:.2f}", f"{s.get('setup_peak_gib', 0):.2f}",
                f"{moved / 2**30:.2f}" if moved else "-",
                "no base run in this folder" if same is None else "yes" if same else "NO")
 
 
 def main(folders):
-    print("| run | whole-iteration peak (GiB) | steady step (s) | step phase (s) | first iteration (s) | "
-          "setup peak (GiB) | moved each way (GiB) | losses and parameters = base |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| run | run's peak (GiB) | whole-iteration peak (GiB) | steady step (s) | step phase (s) | "
+          "first iteration (s) | setup peak (GiB) | moved each way (GiB) | losses and parameters = base |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for folder in folders:
         for row in rows(folder):
             print(f"| {os.path.basename(folder.rstrip('/'))}/{row[0]} | " + " | ".join(row[1:]) + " |")

@@ -153,3 +153,12 @@ def test_checks_judge_the_four_activation_offload_cases_and_the_auto_window():
     results["builtin_act"] = summary(1.2, 7.0)
     a = bench.checks(results, "auto")["activation_offload"]
     assert not a["both_within_5pct_of_additive"] and not a["both_overhead_at_most_sum"]
+
+
+def test_checks_compare_the_logged_parameter_norms_with_the_base_runs():
+    results = {"base": summary(0.6, 20.0, params_norms=[100.0, 101.0]),
+               "builtin": summary(0.8, 10.0, params_norms=[100.0, 101.0 * (1 + 2e-7)]),
+               "builtin256": summary(0.8, 10.0, params_norms=[100.0, 101.0])}
+    n = bench.checks(results, "auto")["params_norm"]
+    assert n["builtin256"] == {"identical": True, "largest_relative_difference": 0.0}
+    assert not n["builtin"]["identical"] and n["builtin"]["largest_relative_difference"] == pytest.approx(2e-7)
