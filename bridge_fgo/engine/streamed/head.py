@@ -12,12 +12,13 @@ the bound the window was sized to (the run's peak through the first step, less a
 the iteration rises above it, and at gradient finalization the window's other slots are allocated as
 before (update.py).
 
-The curve is read from the CUDA caching allocator's own event trace
-(torch.cuda.memory._record_memory_history) over that one step, with a marker allocation at each hook
-(two allocations of unusual sizes back to back). A curve that does not add up turns the head off, with
-one INFO line: the trace does not end at the allocated figure the allocator reports, the hooks do not
-fire the same number of times in every microbatch (a parameter without a gradient in some), someone
-records memory history already, or the allocator offers no trace. Each later step checks that it
+The curve comes from the allocator itself, over that one step: its allocated figure at each hook
+(exact), and how far allocation rose between two hooks, read from its event trace
+(torch.cuda.memory._record_memory_history) with a marker allocation at each hook (two allocations of
+unusual sizes back to back). A curve that cannot be read turns the head off, with one INFO line: the
+trace lost markers (cut short), the hooks do not fire the same number of times in every microbatch (a
+parameter without a gradient in some), someone records memory history already, or the allocator
+offers no trace. Each later step checks that it
 follows the curve: at hook k, what is allocated outside the head must be what the first step
 measured there (within the margin), else that step prefetches no more; a step whose hook count is not
 the first step's turns the head off.
@@ -34,7 +35,6 @@ from ..firststep import margin
 MARKS = (512 * 2039, 512 * 2029)  # bytes; small-pool sizes no model is likely to allocate back to back
 TRACE_ENTRIES = 4_000_000  # the allocator's event ring for the measured step
 BLOCK = 512  # the caching allocator's rounding: the trace gives requested sizes, allocated counts blocks
-SLACK = 2**20  # what the rounded trace may differ from the allocator's figure (other rounding settings)
 
 
 def _block(size: int) -> int:
@@ -52,10 +52,16 @@ class Curve:
     microbatches: int
 
 
-def read_curve(trace, start: int, end: int, microbatches: int) -> Tuple[Optional[Curve], str]:
-    """The curve from the allocator's events of one step's forward-backward (`trace`: dicts with
-    action, addr, size), which began at `start` bytes allocated and ended at `end`; or (None, why)."""
-    allocated, values, marks, skip = start, [], [], set()
+def read_curve(trace, samples: List[int], end: int, microbatches: int) -> Tuple[Optional[Curve], str]:
+    """The curve from the allocator's events over one step's forward-backward (`trace`: dicts with
+    action, addr, size) and the allocated figure the allocator gave at each hook (`samples`, read
+    before the hook's marker) and at the end (`end`); or (None, why).
+
+    At each hook the allocator's own figure is exact. Between two hooks the trace gives how far
+    allocation rose above where it was at the first of them: the trace records requested sizes, and a
+    block the allocator hands out may be larger (512-byte rounding; a free block not split for a
+    remainder under 1 MiB), so its absolute sums drift, its rises over a hook's interval hardly."""
+    allocated, values, marks, skip = 0, [], [], set()
     i, n = 0, len(trace)
     while i < n:
         e = trace[i]
@@ -80,22 +86,23 @@ def read_curve(trace, start: int, end: int, microbatches: int) -> Tuple[Optional
                 allocated -= _block(size)
         values.append(allocated)
         i += 1
-    if abs(allocated - end) > SLACK:
-        return None, (f"the allocator's trace does not add up ({allocated} bytes at its end, {end} allocated): "
-                      "it was cut short, missed events, or the allocator rounds otherwise "
-                      "(PYTORCH_CUDA_ALLOC_CONF roundup_power2_divisions)")
-    under = max(0, end - allocated)  # what the trace may have missed counts everywhere
+    if len(marks) != len(samples):
+        return None, (f"the allocator's trace holds {len(marks)} of the {len(samples)} hooks' markers: it was cut "
+                      "short or missed events")
     if not marks or microbatches < 1 or len(marks) % microbatches:
         return None, (f"the gradient hooks fired {len(marks)} times in {microbatches} microbatch(es): not the same "
                       "number in every backward")
-    ahead, most = [0] * len(values), allocated
-    for v in range(len(values) - 1, -1, -1):
-        most = max(most, values[v])
-        ahead[v] = most
     per = len(marks) // microbatches
-    last = marks[-per:]
-    return Curve(at=[a + under for _, a in last], ahead=[(ahead[v] if v < len(ahead) else end) + under for v, _ in last],
-                 first=len(marks) - per, hooks=len(marks), microbatches=microbatches), ""
+    first = len(marks) - per
+    bounds = [v for v, _ in marks[first:]] + [len(values)]
+    # how far allocation rose above each hook's figure before the next hook (never below the hook itself)
+    rises = [max([at, *values[lo:hi]]) - at for (lo, hi), (_, at) in zip(zip(bounds, bounds[1:]), marks[first:])]
+    ahead, most = [], end
+    for k in range(per - 1, -1, -1):
+        most = max(most, samples[first + k] + rises[k])
+        ahead.append(most)
+    return Curve(at=list(samples[first:]), ahead=ahead[::-1], first=first, hooks=len(marks),
+                 microbatches=microbatches), ""
 
 
 def _microbatches() -> int:
@@ -121,7 +128,7 @@ class Head:
         self.in_step = False
         self.stopped = False  # this step left the curve: no more prefetching
         self.microbatches = 0
-        self.start = 0
+        self._samples: List[int] = []  # the measured step: allocated at each hook, before its marker
         self.prefetched: List[int] = []  # per step: chunks whose copy began in the last backward
         self.step_note: dict = {}  # this step's: the most room seen, where it left the curve
         self.last_note: dict = {}
@@ -211,6 +218,7 @@ class Head:
             if self.state == "measuring":
                 import torch
 
+                self._samples.append(self._memory())
                 a = torch.empty(MARKS[0], dtype=torch.uint8, device=self.plan.device)
                 b = torch.empty(MARKS[1], dtype=torch.uint8, device=self.plan.device)
                 del a, b
@@ -255,7 +263,7 @@ class Head:
         if any(snapshot().get("device_traces") or ()):
             self.off("this process records memory history already (a profiler?): measuring would end it")
             return
-        self.start = self._memory()
+        self._samples = []
         record(enabled="all", context=None, stacks="python", max_entries=TRACE_ENTRIES)
         self.state = "measuring"
 
@@ -274,7 +282,8 @@ class Head:
         traces = torch.cuda.memory._snapshot().get("device_traces") or []
         self._stop_recording()
         index = device.index if device.index is not None else torch.cuda.current_device()
-        curve, why = read_curve(traces[index] if index < len(traces) else [], self.start, end, self.microbatches)
+        curve, why = read_curve(traces[index] if index < len(traces) else [], self._samples, end, self.microbatches)
+        self._samples = []
         if curve is None:
             self.off(why)
             return None
