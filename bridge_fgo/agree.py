@@ -24,18 +24,26 @@ def agree(problem: Optional[str], what: str) -> None:
     rank otherwise. `problem` is this rank's refusal message (None: fine); `what` names the decision
     in the joint message. Without an initialized process group of more than one rank, the local
     problem is raised as it is."""
-    dist = _distributed()
-    if dist is None:
+    if _distributed() is None:
         if problem is not None:
             raise BridgeFGOConfigError(problem)
         return
-    verdicts: List[Optional[str]] = [None] * dist.get_world_size()
     # a str, whatever was passed: a verdict that failed to pickle would raise on this rank only,
     # before the exchange, and leave the others waiting in it
-    dist.all_gather_object(verdicts, None if problem is None else str(problem))
-    message = refusal(what, verdicts)
+    message = refusal(what, gather(None if problem is None else str(problem)))
     if message is not None:
         raise BridgeFGOConfigError(message)
+
+
+def gather(verdict: Optional[str]) -> List[Optional[str]]:
+    """Every rank's `verdict` (None or a str), indexed by rank; [verdict] without a process group of
+    more than one rank. A collective, like agree()."""
+    dist = _distributed()
+    if dist is None:
+        return [verdict]
+    verdicts: List[Optional[str]] = [None] * dist.get_world_size()
+    dist.all_gather_object(verdicts, verdict)
+    return verdicts
 
 
 def refusal(what: str, verdicts: Sequence[Optional[str]]) -> Optional[str]:

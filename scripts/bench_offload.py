@@ -15,6 +15,11 @@ installed), apex (apex FusedAdam; TE hidden) or te (Transformer Engine FusedAdam
 --precision-aware: bf16 moments). The model is the same local-spec model in every stack; the run
 asserts the optimizer class Megatron-Core built and records it (inner_optimizer).
 
+Checkpoint saves (issue 24, scripts/bench_saves.py): `all --save-every N` runs every mode once with
+synchronous and once with asynchronous saves (TAG_sync, TAG_async), records per save the training-loop
+stall, the iterations around it and the host memory, and compares each run's checkpoint with the first
+run's, entry by entry.
+
 Parallel layouts for scripts/bench_matrix.py: --tp, --pp/--vpp, --experts/--ep (a mixture-of-experts
 model on Megatron-Core's local spec); checkpoints for scripts/check_checkpoint.py: --save/--save-interval/
 --async-save, --load/--ckpt-step/--resume-fix.
@@ -96,6 +101,11 @@ def run(args):
 
     recs, held = [], {}
     inner_step = T.train_step
+    saves, finalizes = [], []
+    if args.save:  # each save and each finalize that found one pending, timed on the training thread
+        import bench_saves
+
+        bench_saves.instrument(saves, finalizes)
 
     def measured_step(forward_step_func, data_iterator, model, optimizer, *a, **k):
         # the peak since the last reset: at the first entry everything setup allocated (model, grad
@@ -171,6 +181,8 @@ def run(args):
         for key in ("num_device_alloc", "num_device_free", "num_sync_all_streams", "num_alloc_retries"):
             r[key] = stats1.get(key, 0) - stats0.get(key, 0)
         r["reserved_gib"] = torch.cuda.memory_reserved() / GIB
+        if args.save:
+            r.update(bench_saves.host_figures())
         print("ITER " + json.dumps(r), flush=True)
         return out
 
@@ -340,6 +352,8 @@ def run(args):
         "final_params_sha256": h.hexdigest(),
         "sessions": report_holder.get("sessions", []),
     }
+    if args.save:
+        summary.update(bench_saves.summarize(recs, saves, finalizes))
     print("SUMMARY " + json.dumps(summary), flush=True)
     if args.out:
         out = args.out if rank == 0 else args.out.replace(".json", f".rank{rank}.json")
@@ -770,10 +784,13 @@ def resolve_symbolic(run, results, default_mb) -> bool:
 
 
 def run_all(args):
+    import bench_saves
+
     try:
-        runs = parse_modes(args.modes)
+        runs = bench_saves.expand(parse_modes(args.modes), bench_saves.parse_kinds(args.save_kinds), args.save_every,
+                                  args.out_dir)
     except ValueError as e:
-        sys.exit(f"--modes: {e}")
+        sys.exit(f"--modes / --save-every / --save-kinds: {e}")
     os.makedirs(args.out_dir, exist_ok=True)
     results = {}
     managed = [target for _, (kind, target) in ENGINE_KEYS.values() if kind == "env"]
@@ -810,11 +827,18 @@ def run_all(args):
         with open(path) as f:
             results[tag] = json.load(f)["summary"]
         print(peak_line(tag, results[tag]), flush=True)
+        if args.save_every:
+            reference = next(r["tag"] for r in runs if r["tag"] in results)
+            results[tag]["checkpoint_compare"] = bench_saves.compare_and_prune(
+                args.out_dir, tag, reference, args.compare_at or args.save_every, args.keep_checkpoints)
+            print(bench_saves.line(tag, results[tag]), flush=True)
     summary = {"workload": "887M" + (" full recompute" if args.recompute else "") + (" fp16" if args.fp16 else "")
                + (" TE spec" if args.te_spec else ""),
                "optimizer": args.optimizer + (" precision-aware" if args.precision_aware else ""),
                "modes": args.modes, "runs": results,
                "checks": checks(results, args.default_chunk_mb, {r["tag"]: r["extras"] for r in runs})}
+    if args.save_every:
+        summary["checks"]["saves"] = bench_saves.checks(results)
     if args.bandwidth:
         summary["bandwidth"] = bandwidth()
     with open(os.path.join(args.out_dir, "summary.json"), "w") as f:
@@ -895,6 +919,14 @@ def main():
     a.add_argument("--bandwidth", action="store_true", help="also measure pinned host<->device bandwidth")
     a.add_argument("--bypass-te-adam-check", action="store_true")
     a.add_argument("--profile-iter", type=int, help="each run profiles this iteration (see run)")
+    a.add_argument("--save-every", type=int, metavar="N",
+                   help="every mode once per --save-kinds, saving every N iterations (TAG_sync, TAG_async): the "
+                        "stall per save, the iterations around it, host memory, checkpoints compared")
+    a.add_argument("--save-kinds", default="sync,async", help="with --save-every: sync, async or both, in run order")
+    a.add_argument("--compare-at", type=int, metavar="M",
+                   help="with --save-every: the iteration whose checkpoints are compared (default N)")
+    a.add_argument("--keep-checkpoints", action="store_true",
+                   help="with --save-every: keep every checkpoint (default: only the reference run's compared one)")
     args = ap.parse_args()
     if args.precision_aware and args.optimizer != "te":
         ap.error("--precision-aware needs --optimizer te (Megatron-Core takes it only from Transformer Engine's FusedAdam)")
@@ -907,10 +939,16 @@ def main():
         if args.mode not in ("flag", "auto"):
             ap.error("--offload-fraction needs --mode flag or auto (Megatron-Core's chunked line)")
     if args.cmd == "all":
+        import bench_saves
+
         try:
-            parse_modes(args.modes)
+            bench_saves.expand(parse_modes(args.modes), bench_saves.parse_kinds(args.save_kinds), args.save_every,
+                               args.out_dir)
         except ValueError as e:
-            ap.error(f"--modes: {e}")
+            ap.error(f"--modes / --save-every / --save-kinds: {e}")
+        if args.compare_at is not None and (not args.save_every or args.compare_at % args.save_every
+                                            or args.compare_at > args.iters):
+            ap.error("--compare-at needs --save-every and must be a multiple of it, at most --iters")
     run(args) if args.cmd == "run" else run_all(args)
 
 

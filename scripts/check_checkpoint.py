@@ -5,13 +5,14 @@ uninterrupted run (real Megatron-Bridge pretrain(), torch_dist, a small model so
 takes seconds).
 
   python3 scripts/check_checkpoint.py --out-dir OUT --iters 6 --save-at 3 \\
-      --modes base,builtin:256,builtin:0,builtin:0+async --resume
+      --modes base,builtin:256,builtin:0,builtin:0+async,builtin:256+async --resume
 
-MODE is base or builtin:CHUNK_MB, with +async for Bridge's async_save=True. Each mode trains --iters
-iterations in its own process (scripts/bench_offload.py) and saves every --save-at iterations; every
-checkpoint is read back with torch.distributed.checkpoint (dcp_to_torch_save, no process group) and
-compared with the first mode's at the same iteration: same keys, dtypes and shapes, bit-identical
-values. --resume then restarts each mode from its own checkpoint at --save-at (same mode, with
+MODE is base or builtin:CHUNK_MB, with +async for Bridge's async_save=True (builtin:256+async: the
+streamed step's asynchronous saves). Each mode trains --iters iterations in its own process
+(scripts/bench_offload.py) and saves every --save-at iterations; every checkpoint is read back with
+torch.distributed.checkpoint (no process group) and compared with the first mode's at the same
+iteration, one entry at a time: same keys, dtypes and shapes, bit-identical values, equal objects.
+--resume then restarts each mode from its own checkpoint at --save-at (same mode, with
 scripts/resume_fix.py, without which Megatron-Core cannot load torch AdamW state) and compares its
 losses and final parameters with the first mode's uninterrupted run; a base resume with only the
 assertion fixed (--resume-fix prime) shows what Megatron-Core's own step handling does. Prints one
@@ -22,6 +23,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SMALL = ["--layers", "2", "--hidden", "512", "--ffn", "1408", "--heads", "8", "--groups", "4"]
@@ -46,22 +48,62 @@ def flat(obj, prefix=""):
         yield prefix.rstrip("/"), obj
 
 
-def tensors_of(path, scratch):
-    import torch
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+def _entries(path):
+    """A torch_dist (DCP) checkpoint's entries: key -> its storage metadata (tensor or bytes)."""
+    from torch.distributed.checkpoint import FileSystemReader
 
-    dcp_to_torch_save(path, scratch)
-    state = dict(flat(torch.load(scratch, weights_only=False)))
-    os.remove(scratch)
-    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+    return FileSystemReader(path).read_metadata().state_dict_metadata
+
+
+def _load(path, key, meta):
+    """One entry of a checkpoint: a tensor (read alone, full size), or the object stored as bytes."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    value = torch.empty(meta.size, dtype=meta.properties.dtype) if isinstance(meta, TensorStorageMetadata) else None
+    holder = {key: value}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(holder, checkpoint_id=path, no_dist=True)
+    return holder[key]
+
+
+def _same(a, b):
+    import torch
+
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+                and a.shape == b.shape and torch.equal(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def contents(path):
+    """What a checkpoint holds, from its metadata: entries, tensors, optimizer tensors, tensor bytes."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    tensors = {k: m for k, m in _entries(path).items() if isinstance(m, TensorStorageMetadata)}
+    return {"entries": len(_entries(path)), "tensors": len(tensors),
+            "optimizer_tensors": sum("optimizer" in k for k in tensors),
+            "bytes": sum(m.size.numel() * m.properties.dtype.itemsize for m in tensors.values())}
 
 
 def differing(a, b):
-    import torch
-
-    return sorted(k for k in a.keys() | b.keys()
-                  if k not in a or k not in b or a[k].dtype != b[k].dtype or a[k].shape != b[k].shape
-                  or not torch.equal(a[k], b[k]))
+    """The keys in which two torch_dist checkpoints differ (missing on one side; another dtype, shape or
+    value; another object), read one entry at a time: a checkpoint of any size compares in the memory of
+    its largest tensor, without a scratch file."""
+    ea, eb = _entries(a), _entries(b)
+    out = []
+    for key in sorted(ea.keys() | eb.keys()):
+        if key not in ea or key not in eb or type(ea[key]) is not type(eb[key]):
+            out.append(key)
+        elif not _same(_load(a, key, ea[key]), _load(b, key, eb[key])):
+            out.append(key)
+    return out
 
 
 def parse(token):
@@ -89,7 +131,7 @@ def main():
     ap.add_argument("--out-dir", required=True)
     ap.add_argument("--iters", type=int, default=6)
     ap.add_argument("--save-at", type=int, default=3, help="save every N iterations; resume from iteration N")
-    ap.add_argument("--modes", default="base,builtin:256,builtin:0,builtin:0+async")
+    ap.add_argument("--modes", default="base,builtin:256,builtin:0,builtin:0+async,builtin:256+async")
     ap.add_argument("--resume", action="store_true")
     args = ap.parse_args()
     if args.iters % args.save_at or args.iters == args.save_at:
@@ -114,16 +156,13 @@ def main():
             report({"mode": tag, "error": "run failed; see its log"})
             continue
         for it in iterations:
-            tensors = tensors_of(iteration_dir(os.path.join(args.out_dir, f"ckpt_{tag}"), it),
-                                 os.path.join(args.out_dir, "scratch.pt"))
-            row = {"check": "checkpoint", "mode": tag, "iteration": it, "tensors": len(tensors),
-                   "optimizer_tensors": sum("optimizer" in k for k in tensors),
-                   "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
+            path = iteration_dir(os.path.join(args.out_dir, f"ckpt_{tag}"), it)
+            row = {"check": "checkpoint", "mode": tag, "iteration": it, **contents(path)}
             if it not in reference:
-                reference[it] = tensors
+                reference[it] = path
                 row.update(reference=True, identical=True)
             else:
-                diff = differing(reference[it], tensors)
+                diff = differing(reference[it], path)
                 row.update(identical=not diff, differing=diff[:10], n_differing=len(diff))
             report(row)
     first = runs.get(tokens[0][0])

@@ -1,5 +1,6 @@
 """scripts/bench_offload.py's mode grammar, checks and optimizer-stack helpers, and
-scripts/bench_imports.py's blocker: no GPU, no torch (the parser must import without it)."""
+scripts/bench_imports.py's blocker: no GPU, no torch (the parser, and bench_saves.py, must import
+without it)."""
 import importlib
 import os
 import subprocess
@@ -14,7 +15,8 @@ bench_imports = importlib.import_module("bench_imports")
 
 
 def test_imports_without_torch():
-    code = "import sys; import bench_offload; assert 'torch' not in sys.modules and 'megatron' not in sys.modules"
+    code = ("import sys; import bench_offload, bench_saves; "
+            "assert 'torch' not in sys.modules and 'megatron' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=SCRIPTS)
 
 

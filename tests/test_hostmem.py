@@ -237,6 +237,59 @@ def test_unknown_memory_says_so_once_and_does_not_refuse(tmp_path, caplog):
     assert "not checked" in fit.describe()
 
 
+def test_an_asynchronous_saves_snapshot_counts_on_top_of_the_pinned_bytes(tmp_path):
+    """With asynchronous checkpoint saves of the host states, their writer's copy (pageable, while a
+    save is written) needs the memory too, on every local rank at once."""
+    meminfo(tmp_path, 100 * GiB)  # reserve: 5 GiB
+    fit = hostmem.check_fits(5 * GiB, snapshot_per_rank=5 * GiB, ranks=9, root=str(tmp_path))
+    assert (fit.fits, fit.needed, fit.snapshot_per_rank, fit.shm_available) == (True, 90 * GiB, 5 * GiB, None)
+    line = fit.describe()
+    assert "5.00 GiB (5368709120 bytes) pinned per rank + 5.00 GiB (5368709120 bytes) per rank while an " \
+           "asynchronous checkpoint save is written" in line and "= 90.00 GiB" in line and "/dev/shm" not in line
+    with pytest.raises(BridgeFGOConfigError) as exc:
+        hostmem.check_fits(5 * GiB, snapshot_per_rank=5 * GiB, ranks=10, root=str(tmp_path))
+    msg = str(exc.value)
+    assert "per rank + 5.00 GiB (5368709120 bytes) per rank that an asynchronous checkpoint save copies" in msg
+    assert "async_save=False" in msg and "= 100.00 GiB" in msg
+    assert hostmem.check_fits(5 * GiB, ranks=10, root=str(tmp_path)).fits  # the same pinned bytes alone fit
+
+
+@pytest.fixture
+def shm_free(monkeypatch):
+    """/dev/shm with `free` bytes (statvfs faked), or unreadable (None)."""
+    def fake(free):
+        def statvfs(path):
+            if free is None:
+                raise FileNotFoundError(path)
+            assert path.endswith("dev/shm")
+            return type("St", (), {"f_bavail": free // 4096, "f_frsize": 4096})()
+
+        monkeypatch.setattr(hostmem.available.os, "statvfs", statvfs)
+
+    return fake
+
+
+def test_snapshots_passing_through_dev_shm_must_fit_there(tmp_path, shm_free):
+    """Bridge's persistent checkpoint worker receives the writer's copy through /dev/shm: every local
+    rank's copy must fit in its free space (a container's default 64 MiB does not)."""
+    meminfo(tmp_path, 1000 * GiB)
+    shm_free(40 * GiB)
+    fit = hostmem.check_fits(5 * GiB, snapshot_per_rank=5 * GiB, snapshot_in_shm=True, ranks=8, root=str(tmp_path))
+    assert fit.shm_available == 40 * GiB and "/dev/shm" in fit.describe() and fit.describe().endswith("fits")
+    shm_free(64 * 2**20)
+    with pytest.raises(BridgeFGOConfigError) as exc:
+        hostmem.check_fits(5 * GiB, snapshot_per_rank=5 * GiB, snapshot_in_shm=True, ranks=8, root=str(tmp_path))
+    msg = str(exc.value)
+    assert "would not fit in /dev/shm" in msg and "40.00 GiB (42949672960 bytes) over this node's local ranks" in msg
+    assert "0.06 GiB (67108864 bytes) free" in msg and "CUDA IPC" in msg and "before anything was pinned" in msg
+    assert "--shm-size" in msg and "async_save=False" in msg and "chunk_mb=0" in msg
+    # not through /dev/shm (a forked worker reads the copy in place): only the memory is checked
+    assert hostmem.check_fits(5 * GiB, snapshot_per_rank=5 * GiB, ranks=8, root=str(tmp_path)).shm_available is None
+    shm_free(None)
+    fit = hostmem.check_fits(5 * GiB, snapshot_per_rank=5 * GiB, snapshot_in_shm=True, ranks=8, root=str(tmp_path))
+    assert fit.shm_available is None and "unreadable" in fit.describe() and "not checked" in fit.describe()
+
+
 def test_zero_bytes_fit_and_bad_arguments(tmp_path):
     meminfo(tmp_path, 1 * GiB)  # less than the reserve: pinning nothing still fits
     assert hostmem.check_fits(0, ranks=8, root=str(tmp_path)).fits

@@ -115,6 +115,7 @@ def test_the_target_table():
         ("load_checkpoint", "megatron.bridge.training.checkpointing", "load"),
         ("calc_params_l2_norm", "megatron.bridge.training.train", "params-norm"),
         ("clip_qk", "megatron.bridge.training.train", "qk-clip"),
+        ("save_checkpoint", "megatron.bridge.training.checkpointing", "save"),
         ("_build_model_and_main_param_groups", "megatron.core.optimizer.distrib_optimizer", "build"),
     ]
     assert targets.target("_build_model_and_main_param_groups").qualname == (

@@ -477,7 +477,6 @@ def cfg(**sections):
     ("optimizer", {"reuse_grad_buf_for_mxfp8_param_ag": True}, "cfg.optimizer.reuse_grad_buf_for_mxfp8_param_ag"),
     ("ddp", {"fp8_param_gather": True}, "cfg.ddp.fp8_param_gather"),
     ("ddp", {"fp4_param_gather": True}, "cfg.ddp.fp4_param_gather"),
-    ("checkpoint", {"save": "/ckpt", "async_save": True}, "cfg.checkpoint.async_save"),
     ("checkpoint", {"save": "/ckpt", "ckpt_format": "torch"}, "cfg.checkpoint.ckpt_format"),
     ("checkpoint", {"load": "/ckpt", "dist_ckpt_optim_fully_reshardable": True},
      "cfg.checkpoint.dist_ckpt_optim_fully_reshardable"),
@@ -493,6 +492,8 @@ def test_servable_configurations_and_optimizers_pass():
     assert refusals.streamed(cfg(), inners) == []
     assert refusals.streamed(cfg(optimizer=ns(use_precision_aware_optimizer=True)), inners) == []
     assert refusals.streamed(cfg(checkpoint=ns(save="/ckpt", async_save=True, save_optim=False)), inners) == []
+    # an asynchronous save of optimizer state is served (tests/test_async_save.py)
+    assert refusals.streamed(cfg(checkpoint=ns(save="/ckpt", async_save=True, ckpt_format="torch_dist")), inners) == []
     assert refusals.streamed(cfg(checkpoint=ns(save="/ckpt", ckpt_format="torch_dist")), inners) == []
     # served inside the streamed update (tests/test_normqk.py)
     assert refusals.streamed(cfg(model=ns(qk_clip=True), logger=ns(log_params_norm=True)), inners) == []

@@ -32,7 +32,8 @@ class BuiltinAdapter:
     """The builtin engine behind a Session: the streamed step (chunk_mb > 0), or one window."""
 
     def __init__(self, dist_optimizers: List[object], chunk_mb: int, gpu_budget_gib: Optional[float] = None,
-                 params_norm: bool = False, activation_offload: Optional[List[str]] = None):
+                 params_norm: bool = False, activation_offload: Optional[List[str]] = None,
+                 snapshot: Optional[str] = None):
         from .onewindow import OneWindowEngine
         from .streamed import StreamedEngine
 
@@ -49,11 +50,17 @@ class BuiltinAdapter:
         if activation_offload is not None and chunk_mb:
             self.engine.head.yield_to("Megatron-Core's fine-grained activation offloading brings activations back "
                                       "during backward over the same link")
+        # where an asynchronous checkpoint save's writer copies the host states (instrument/saves.py):
+        # None (no such save), "memory" or "shm"; the one window's states are on the GPU between steps
+        self.snapshot = snapshot if chunk_mb else None
 
     # -- before the first step: check on every rank, agree, then pin (callsites) -----------------
     def check(self) -> None:
-        """Plan, and refuse (BridgeFGOConfigError) host memory this node does not have."""
-        self.fit = hostmem.check_fits(self.engine.plan_bytes())
+        """Plan, and refuse (BridgeFGOConfigError) host memory this node does not have: the pinned buffer,
+        and with asynchronous saves of it their writer's copy (the buffer's bytes, while a save is written)."""
+        pinned = self.engine.plan_bytes()
+        self.fit = hostmem.check_fits(pinned, snapshot_per_rank=pinned if self.snapshot else 0,
+                                      snapshot_in_shm=self.snapshot == "shm")
 
     def prepare(self) -> None:
         t0 = time.perf_counter()
@@ -107,6 +114,13 @@ class BuiltinAdapter:
 
     def close(self) -> None:
         self.engine.close()
+
+    def host_buffers(self) -> List[object]:
+        buf = self.engine.buffer if self.chunk_mb else None
+        return [buf] if buf is not None else []
+
+    def host_tensors(self) -> List[object]:
+        return self.engine.host_tensors() if self.chunk_mb else []
 
     def end_training(self) -> bool:
         """train() returned: nothing stays pinned. The streamed step parks (states in the unpinned
@@ -166,14 +180,15 @@ class BuiltinAdapter:
         return out
 
 
-def build(dist_optimizers, options, cfg=None) -> BuiltinAdapter:
+def build(dist_optimizers, options, cfg=None, snapshot: Optional[str] = None) -> BuiltinAdapter:
     """`cfg`: Bridge's ConfigContainer; with cfg.logger.log_params_norm the streamed step takes each master's
     norm in its pass, for the norm train() logs after every step; with the model's
-    fine_grained_activation_offloading the engine leaves backward's link to the activations."""
+    fine_grained_activation_offloading the engine leaves backward's link to the activations. `snapshot`: where
+    an asynchronous checkpoint save's writer copies the host states (instrument/saves.py)."""
     log_params_norm = bool(getattr(getattr(cfg, "logger", None), "log_params_norm", False))
     model = getattr(cfg, "model", None)
     activations = (list(getattr(model, "offload_modules", None) or [])
                    if getattr(model, "fine_grained_activation_offloading", False) else None)
     return BuiltinAdapter(dist_optimizers, chunk_mb=options.chunk_mb, gpu_budget_gib=options.gpu_budget_gib,
-                          params_norm=log_params_norm, activation_offload=activations)
+                          params_norm=log_params_norm, activation_offload=activations, snapshot=snapshot)
 

@@ -164,3 +164,13 @@ def available_bytes(root: Optional[str] = None) -> Optional[int]:
     """min(MemAvailable, cgroup headroom) in bytes, or None if nothing can be read."""
     mem = host_memory(root)
     return None if mem is None else mem.bytes
+
+
+def shm_free(root: Optional[str] = None) -> Optional[int]:
+    """Bytes still free in /dev/shm (tmpfs: what shared-memory tensors handed to another process take),
+    or None when it cannot be read."""
+    try:
+        st = os.statvfs(under(root, "dev/shm"))
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize

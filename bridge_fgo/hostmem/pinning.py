@@ -113,6 +113,7 @@ class PinnedHost:
         # the only reference bridge_fgo keeps to the tensor, shared with the finalizer, which keeps
         # the memory alive until it runs and then drops it
         self._held: Dict[str, object] = {"tensor": tensor}
+        self._data_ptr = tensor.data_ptr()  # where the pages are (moved(): somebody replaced them)
         _count(nbytes, 1)
         self._finalizer = weakref.finalize(self, _release, self._held, device, nbytes, method)
         # at exit the process's memory goes anyway, and CUDA may already be shutting down
@@ -160,6 +161,24 @@ class PinnedHost:
     @property
     def freed(self) -> bool:
         return not self._finalizer.alive
+
+    def holders(self) -> Optional[int]:
+        """How many tensors share the buffer's storage now: every view anyone holds (the states bound
+        to it, a checkpoint writer's) keeps it alive, so the memory is never freed under a reader; this
+        says whether one is still there. None once released (or on a torch that cannot count)."""
+        import torch
+
+        count = getattr(torch._C, "_storage_Use_Count", None)
+        tensor = self._held.get("tensor")
+        if tensor is None or count is None:
+            return None
+        return int(count(tensor.untyped_storage()._cdata))
+
+    def moved(self) -> bool:
+        """True when the storage's pages are no longer the ones allocated (and pinned) here: pickling a
+        CPU tensor for another process (torch.multiprocessing) moves its whole storage into shared memory."""
+        tensor = self._held.get("tensor")
+        return tensor is not None and tensor.untyped_storage().data_ptr() != self._data_ptr
 
     def free(self) -> None:
         """Unregister and drop the buffer; later calls do nothing."""

@@ -25,7 +25,7 @@ from typing import Dict, Optional, Tuple
 import wrapt
 
 from .. import agree, peaks
-from . import decide, targets
+from . import decide, saves, targets
 from ..errors import BridgeFGOConfigError
 from ..log import logger, rank_prefix
 from ..options import Options, first_chunk_mb
@@ -87,7 +87,7 @@ class CallSites:
         method = {targets.LOOP: self.train, targets.STEP: self.train_step,
                   targets.RELEASE_SITE: self.copy_helper, targets.BUILD: self.build_masters,
                   targets.LOAD: self.load_checkpoint, targets.PARAMS_NORM: self.params_norm,
-                  targets.QK_CLIP: self.clip_qk}[target.role]
+                  targets.QK_CLIP: self.clip_qk, targets.SAVE: self.save_checkpoint}[target.role]
         return functools.partial(method, target.name)
 
     # -- deciding ---------------------------------------------------------------------------------
@@ -248,6 +248,19 @@ class CallSites:
         finally:
             session.adapter.after_load()
             peaks.note("checkpoint load")
+
+    def save_checkpoint(self, name, wrapped, instance, args, kwargs):
+        """A checkpoint save: an asynchronous one under the streamed step is watched, so that no writer
+        reads the pinned host buffer once the save call has returned (saves.py)."""
+        state = argument(self.index[name], "state", args, kwargs)
+        if not (self.enabled and saves.watched(getattr(state, "cfg", None), self.options)):
+            return wrapped(*args, **kwargs)
+        sessions = self.registry.sessions()
+        watch = saves.Watch([b for s in sessions for b in s.adapter.host_buffers()],
+                            [t for s in sessions for t in s.adapter.host_tensors()])
+        result = wrapped(*args, **kwargs)
+        watch.after(state)
+        return result
 
     def _finalize(self, wrapped, instance, args, kwargs):
         session = self._current.get() if self.enabled else None

@@ -81,21 +81,30 @@ def _saves_or_loads_optim(ckpt):
     return saves, loads
 
 
-def checkpoint(cfg, why_async: str, fix: str = "") -> List[str]:
-    """What an engine that keeps optimizer state in host buffers between steps cannot checkpoint:
-    an asynchronous save of optimizer state (`why_async`), and any format but torch_dist."""
+def saves_optimizer_async(cfg) -> bool:
+    """Whether checkpoints of this run save optimizer state asynchronously (cfg.checkpoint.async_save)."""
     ckpt = getattr(cfg, "checkpoint", None)
-    if ckpt is None:
+    return ckpt is not None and _saves_or_loads_optim(ckpt)[0] and bool(getattr(ckpt, "async_save", False))
+
+
+def async_checkpoint(cfg, why: str) -> List[str]:
+    """An asynchronous save of optimizer state, for an offloader that cannot serve one (`why`)."""
+    if not saves_optimizer_async(cfg):
         return []
-    saves, loads = _saves_or_loads_optim(ckpt)
-    out = []
-    if saves and getattr(ckpt, "async_save", False):
-        out.append(f"cfg.checkpoint.async_save=True while optimizer state is saved: {why_async}; set "
-                   f"async_save=False or save_optim=False{fix}")
-    if (saves or loads) and getattr(ckpt, "ckpt_format", "torch_dist") != "torch_dist":
-        out.append(f"cfg.checkpoint.ckpt_format={ckpt.ckpt_format!r}: optimizer state kept in host buffers is "
-                   f"saved and loaded per rank only by 'torch_dist'; set ckpt_format='torch_dist'{fix}")
-    return out
+    return [f"cfg.checkpoint.async_save=True while optimizer state is saved: {why}; set async_save=False or "
+            "save_optim=False"]
+
+
+def checkpoint_format(cfg, fix: str = "") -> List[str]:
+    """What an engine that keeps optimizer state in host buffers between steps cannot checkpoint: any
+    format but torch_dist."""
+    ckpt = getattr(cfg, "checkpoint", None)
+    if ckpt is None or not any(_saves_or_loads_optim(ckpt)):
+        return []
+    if getattr(ckpt, "ckpt_format", "torch_dist") != "torch_dist":
+        return [f"cfg.checkpoint.ckpt_format={ckpt.ckpt_format!r}: optimizer state kept in host buffers is "
+                f"saved and loaded per rank only by 'torch_dist'; set ckpt_format='torch_dist'{fix}"]
+    return []
 
 
 def streamed(cfg, inner_optimizers) -> List[str]:
@@ -113,7 +122,8 @@ def streamed(cfg, inner_optimizers) -> List[str]:
         if getattr(ddp, name, False):
             out.append(f"cfg.ddp.{name}=True: quantizing master weights into parameters is one collective over all "
                        f"of them, which a chunked update cannot split; set it to False{fix}")
-    out += checkpoint(cfg, "a background writer would read host buffers that the next step rewrites", fix)
+    # an asynchronous save is served: its writer copies the host states inside the save call (saves.py)
+    out += checkpoint_format(cfg, fix)
     ckpt = getattr(cfg, "checkpoint", None)
     if ckpt is not None and any(_saves_or_loads_optim(ckpt)) and getattr(ckpt, "dist_ckpt_optim_fully_reshardable",
                                                                          False):

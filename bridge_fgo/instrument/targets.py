@@ -21,6 +21,7 @@ BUILD = "build"  # Megatron-Core makes the fp32 masters: made on the host, a bat
 LOAD = "load"  # a checkpoint load: the states placed on the host before it, so it writes there
 PARAMS_NORM = "params-norm"  # the parameter norm train() logs: host-bound masters read as their norms
 QK_CLIP = "qk-clip"  # clip_qk after optimizer.step(): served inside the streamed update
+SAVE = "save"  # a checkpoint save: an asynchronous one is watched for writers holding the host buffer
 # Where Bridge (or a fork) would call offload methods if it wired offload itself.
 WIRING_ROLES = (LOOP, STEP)
 
@@ -76,6 +77,9 @@ TARGETS: Tuple[Target, ...] = (
     Target("clip_qk", TRAIN_MODULE, QK_CLIP,
            "clip_qk after optimizer.step() (qk_clip): deferred at gradient finalization, each layer clipped in the "
            "update's pass over its master", params=("model",)),
+    Target("save_checkpoint", CHECKPOINT_MODULE, SAVE,
+           "a checkpoint save: an asynchronous one must leave no writer reading the host buffer the next step rewrites",
+           params=("state",)),
     Target("_build_model_and_main_param_groups", DIST_OPTIMIZER_MODULE, BUILD,
            "Megatron-Core's construction of the fp32 masters: run a batch of parameters at a time, masters to the host",
            params=("gbuf_ranges", "param_gbuf_map", "opt_group_ranges", "config"), owner="DistributedOptimizer"),

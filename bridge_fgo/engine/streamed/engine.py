@@ -24,6 +24,7 @@ from ...errors import BridgeFGOError
 from ...log import logger, rank_prefix
 from .. import budget, firststep, sizing
 from ..firststep import margin
+from ..tensors import same
 from .head import Head
 from .norms import Norms
 from .plan import Plan
@@ -95,6 +96,13 @@ class StreamedEngine:
 
     def on_host(self) -> bool:
         return self.plan.on_host()
+
+    def host_tensors(self) -> list:
+        """The tensors bound to the host buffer's views (masters, states, scales): what a checkpoint
+        writer is handed, and would hold on to (instrument/saves.py)."""
+        if self.transfers.buffer is None:
+            return []
+        return [t for _, b, e in self.plan.streamed_entries() if (t := b.get(e)) is not None and same(t, e.host)]
 
     # -- before the first step --------------------------------------------------------------------
     def prepare(self) -> None:

@@ -73,6 +73,15 @@ class Adapter:
         the adapter closed (the next train() decides afresh); False if it keeps what it needs."""
         return False
 
+    def host_buffers(self) -> List[object]:
+        """The pinned host buffers (hostmem.PinnedHost) the states live in between steps, which a
+        checkpoint writer may read; none where the states are on the GPU between steps."""
+        return []
+
+    def host_tensors(self) -> List[object]:
+        """The tensors bound to views of those buffers (what a checkpoint writer is handed)."""
+        return []
+
     def describe(self) -> Dict[str, object]:
         return {}
 

@@ -114,8 +114,8 @@ class _Chunked(Generation):
         # Megatron-LM dev's own checks for the chunked line (arguments.py, checkpointing.py at d48bd6be)
         from .. import refusals
 
-        return refusals.checkpoint(cfg, "the chunked offload's pinned buffers cannot be handed to a background "
-                                        "writer")
+        return refusals.async_checkpoint(cfg, "the chunked offload's pinned buffers cannot be handed to a "
+                                              "background writer") + refusals.checkpoint_format(cfg)
 
     def build(self, optimizer, cfg, dist_optimizers, options) -> Adapter:
         return ChunkedAdapter(optimizer, cfg)

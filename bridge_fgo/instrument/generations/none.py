@@ -36,8 +36,9 @@ class _None(Generation):
         # imported here: the registry is read by `import bridge_fgo`, which must not load the engine
         # (nor torch) in processes that never train
         from ... import engine
+        from .. import saves
 
-        return engine.build(dist_optimizers, options, cfg)
+        return engine.build(dist_optimizers, options, cfg, snapshot=saves.snapshot_route(cfg))
 
     def verdict(self) -> str:
         return ("offload will run (mode builtin): bridge_fgo's builtin engine offloads the distributed "

@@ -1,0 +1,196 @@
+"""Checkpoint saves in scripts/bench_offload.py (issue 24): what a save costs the training loop.
+
+`run` (with --save): every call of Bridge's save_checkpoint is timed on the training thread (the stall,
+the call's wall time: with async_save, building the state dict, the writer's copy and handing the
+request to the worker; without, the whole write), with the host's memory before and after it (this
+process's RSS, the node's MemAvailable, /dev/shm in use); so is every finalize of Bridge's queue that
+found a save pending. Each iteration records the same host figures.
+
+`all --save-every N`: every mode runs once per save kind (--save-kinds, default sync then async), tags
+TAG_sync / TAG_async, saving every N iterations; each run's checkpoint at --compare-at (default N:
+later updates rewrite the host buffer while an asynchronous save of it is pending) is compared entry by
+entry with the first run's (scripts/check_checkpoint.py), and then removed unless --keep-checkpoints
+(a checkpoint of the 887M model is about 12.4 GB). The checks report per run the stall per save, the
+iterations right after a save against the steady ones, the host memory, and whether the streamed step's
+asynchronous stall is within the one without offload.
+
+Importing this module imports neither torch nor Megatron.
+"""
+import os
+import re
+import shutil
+import statistics
+import time
+
+GIB = 2**30
+KINDS = ("sync", "async")
+
+
+# -- in the training process ---------------------------------------------------------------------------
+
+def host_figures():
+    """This process's resident memory and its peak, the node's MemAvailable, /dev/shm in use (GiB)."""
+    out = {}
+    try:
+        with open("/proc/self/status") as f:
+            status = f.read()
+        for key, name in (("VmRSS", "rss_gib"), ("VmHWM", "rss_peak_gib")):
+            m = re.search(rf"^{key}:\s+(\d+) kB", status, re.MULTILINE)
+            if m:
+                out[name] = int(m.group(1)) * 1024 / GIB
+        with open("/proc/meminfo") as f:
+            m = re.search(r"^MemAvailable:\s+(\d+) kB", f.read(), re.MULTILINE)
+        if m:
+            out["mem_available_gib"] = int(m.group(1)) * 1024 / GIB
+    except OSError:
+        pass
+    try:
+        out["shm_used_gib"] = shutil.disk_usage("/dev/shm").used / GIB
+    except OSError:
+        pass
+    return out
+
+
+def instrument(saves, finalizes):
+    """Time Bridge's save_checkpoint and, when a save is pending, its finalize of the async queue, as
+    the training loop calls them (module globals of megatron.bridge.training.checkpointing, and the
+    same functions bound elsewhere, e.g. `from ... import save_checkpoint`). Appends one dict per call."""
+    import sys
+
+    import megatron.bridge.training.checkpointing as ckpt
+
+    def timed_save(*args, **kwargs):
+        state = args[0] if args else kwargs.get("state")
+        before = host_figures()
+        t0 = time.perf_counter()
+        out = save(*args, **kwargs)
+        record = {"iteration": getattr(getattr(state, "train_state", None), "step", None),
+                  "async": bool(getattr(getattr(getattr(state, "cfg", None), "checkpoint", None), "async_save", False)),
+                  "save_s": time.perf_counter() - t0}
+        record.update({f"{k}_before": v for k, v in before.items()})
+        record.update({f"{k}_after": v for k, v in host_figures().items()})
+        saves.append(record)
+        return out
+
+    def timed_finalize(*args, **kwargs):
+        state = kwargs.get("global_state", args[0] if args else None)
+        queue = getattr(state, "async_calls_queue", None)
+        pending = queue.get_num_unfinalized_calls() if queue is not None else 0
+        t0 = time.perf_counter()
+        out = finalize(*args, **kwargs)
+        if pending:
+            finalizes.append({"iteration": getattr(getattr(state, "train_state", None), "step", None),
+                              "blocking": bool(kwargs.get("blocking", args[2] if len(args) > 2 else False)),
+                              "pending": pending, "finalize_s": time.perf_counter() - t0, **host_figures()})
+        return out
+
+    save, finalize = ckpt.save_checkpoint, ckpt.maybe_finalize_async_save
+    for name, original, timed in (("save_checkpoint", save, timed_save),
+                                  ("maybe_finalize_async_save", finalize, timed_finalize)):
+        for mod in list(sys.modules.values()):
+            if getattr(mod, "__name__", "").startswith("megatron.bridge") and vars(mod).get(name) is original:
+                setattr(mod, name, timed)
+
+
+def summarize(recs, saves, finalizes):
+    """The summary's part about saves: each save and finalize, the stall, the iterations after a save."""
+    saved_at = {s["iteration"] for s in saves}
+    after = [r["step_s"] for r in recs if r["iter"] - 1 in saved_at]
+    stalls = [s["save_s"] for s in saves]
+    return {
+        "saves": saves, "finalizes": finalizes,
+        "save_stall_median_s": statistics.median(stalls) if stalls else None,
+        "save_stall_max_s": max(stalls) if stalls else None,
+        "after_save_step_median_s": statistics.median(after) if after else None,
+        "finalize_wait_max_s": max((f["finalize_s"] for f in finalizes), default=None),
+        # host memory while saves were pending: the lowest MemAvailable and the most /dev/shm in use seen
+        "min_mem_available_gib": min((v for r in [*saves, *recs] for k, v in r.items()
+                                      if k.startswith("mem_available_gib")), default=None),
+        "max_shm_used_gib": max((v for r in [*saves, *recs] for k, v in r.items()
+                                 if k.startswith("shm_used_gib")), default=None),
+    }
+
+
+# -- in `all` ------------------------------------------------------------------------------------------
+
+def parse_kinds(text):
+    kinds = [k.strip() for k in text.split(",") if k.strip()]
+    bad = [k for k in kinds if k not in KINDS]
+    if not kinds or bad or len(set(kinds)) != len(kinds):
+        raise ValueError(f"save kinds {text!r}: a comma-separated list of {', '.join(KINDS)}, each once")
+    return kinds
+
+
+def expand(runs, kinds, every, out_dir):
+    """Each run once per save kind: tag TAG_KIND, saving every `every` iterations into
+    OUT/ckpt_TAG_KIND (asynchronously for async)."""
+    if every is None:
+        return runs
+    if every < 1:
+        raise ValueError(f"--save-every must be >= 1, got {every}")
+    out = []
+    for run in runs:
+        for kind in kinds:
+            tag = f"{run['tag']}_{kind}"
+            extra = ["--save", os.path.join(out_dir, f"ckpt_{tag}"), "--save-interval", str(every)]
+            out.append({**run, "tag": tag, "save": kind, "args": [*run["args"], *extra]
+                        + (["--async-save"] if kind == "async" else [])})
+    return out
+
+
+def iteration_path(out_dir, tag, iteration):
+    return os.path.join(out_dir, f"ckpt_{tag}", f"iter_{iteration:07d}")
+
+
+def compare_and_prune(out_dir, tag, reference, iteration, keep):
+    """This run's checkpoint at `iteration` against the reference run's, entry by entry; then every
+    checkpoint of this run removed (the reference's kept but the compared one), unless `keep`."""
+    import check_checkpoint
+
+    path = iteration_path(out_dir, tag, iteration)
+    row = {"iteration": iteration, "reference": reference}
+    if not os.path.exists(os.path.join(path, ".metadata")):
+        row["error"] = f"no torch_dist checkpoint at {path}"
+    elif tag == reference:
+        row.update(identical=True, **check_checkpoint.contents(path))
+    else:
+        diff = check_checkpoint.differing(iteration_path(out_dir, reference, iteration), path)
+        row.update(identical=not diff, n_differing=len(diff), differing=diff[:10])
+    if not keep:
+        root = os.path.join(out_dir, f"ckpt_{tag}")
+        for name in os.listdir(root) if os.path.isdir(root) else ():
+            if tag != reference or name != os.path.basename(path):
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    return row
+
+
+def line(tag, s):
+    """One run's line in `all` about its saves."""
+    def sec(key):
+        return "-" if s.get(key) is None else f"{s[key]:.3f} s"
+
+    return (f"{tag}: {len(s.get('saves') or [])} save(s), stall median {sec('save_stall_median_s')} (max "
+            f"{sec('save_stall_max_s')}), iteration after a save {sec('after_save_step_median_s')} (steady "
+            f"{sec('steady_step_median_s')}), checkpoint at {s['checkpoint_compare'].get('iteration')} "
+            f"identical to {s['checkpoint_compare'].get('reference')}'s: {s['checkpoint_compare'].get('identical')}")
+
+
+def checks(runs):
+    """Per run with saves: the stall per save, the iterations after a save against the steady ones,
+    the host memory; the streamed step's asynchronous stall against the one without offload."""
+    out = {}
+    for tag, r in runs.items():
+        if not r.get("saves"):
+            continue
+        out[tag] = {k: r.get(k) for k in ("save_stall_median_s", "save_stall_max_s", "after_save_step_median_s",
+                                          "steady_step_median_s", "finalize_wait_max_s", "min_mem_available_gib",
+                                          "max_shm_used_gib", "host_peak_rss_gib", "checkpoint_compare")}
+        out[tag]["saves"] = len(r["saves"])
+        if r.get("after_save_step_median_s") is not None:
+            out[tag]["after_save_over_steady_s"] = r["after_save_step_median_s"] - r["steady_step_median_s"]
+    base = out.get("base_async")
+    for tag, entry in out.items():
+        if tag.startswith("builtin") and tag.endswith("_async") and base and base["save_stall_median_s"]:
+            entry["stall_over_base_async"] = entry["save_stall_median_s"] / base["save_stall_median_s"]
+            entry["stall_within_base_async"] = entry["save_stall_median_s"] <= base["save_stall_median_s"]
+    return out

@@ -1,0 +1,424 @@
+"""Asynchronous checkpoint saves (cfg.checkpoint.async_save) with the streamed step, on CPU.
+
+Real parts: Megatron-Core's dist_checkpointing.save with async_sharded_save=True (torch_dist), its
+TorchDistSaveShardedStrategy and both asynchronous writers (nvidia-resiliency-ext's, Bridge's default,
+with its persistent worker process; Megatron-Core's, with its forked worker), their AsyncCallsQueues,
+the harness's real DistributedOptimizer (its dp_reshardable sharded_state_dict, guarded by the engine's
+readers) stepped through Bridge's real train_step, bridge_fgo's call sites (train, save_checkpoint),
+one gloo rank. Stand-ins: Bridge's save_checkpoint itself (what it does with the optimizer: its sharded
+state dict, dist_checkpointing.save, the request scheduled on the run's queue; the rest of it reads the
+RNG states of a GPU), torch.cuda.synchronize / current_device in this process (the writers' D2H
+fences and the done-flag's device; nothing is on a GPU) and nvidia-resiliency-ext's worker started in
+its cpu_shm_mode (it sets up a CUDA device otherwise; CPU tensors take the same path either way).
+
+Each checkpoint is read back with torch.distributed.checkpoint and compared, entry by entry (tensors and
+objects, scripts/check_checkpoint.py's comparison), with a synchronous save of the same iteration,
+but for the fp32 parameter's own shard (the model's tensor, which never moves): the harness keeps the
+model's "GPU" tensors on the CPU, where a tensor owning its whole storage is not copied by the writers
+but handed to the worker process live, through shared memory; on a GPU it is copied by the worker
+inside the save call, as without offload.
+"""
+import os
+import sys
+import types
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import bridge_fgo
+from bridge_fgo import BridgeFGOConfigError, BridgeFGOError, hostmem
+from bridge_fgo.instrument import patcher, refusals, saves, targets
+from support import harness
+from test_resume_fix import FORMAT, optimizer
+from test_resume_host import megatron_core_for  # noqa: F401  (a fixture: Megatron-Core's flags per optimizer)
+from test_streamed import OPTIMIZERS as CASES, snapshot
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+import check_checkpoint  # noqa: E402
+
+KINDS = [*harness.OPTIMIZERS, "te-precision-aware-bf16"]
+ns = types.SimpleNamespace
+
+
+@pytest.fixture(scope="module")
+def writers():
+    """One gloo rank and this process's stand-ins for the GPU-only calls; the asynchronous queues
+    (nvidia-resiliency-ext's persistent worker is started once for the module)."""
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue as McoreQueue
+    from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncCallsQueue as NvrxQueue
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    cuda = [mock.patch("torch.cuda.synchronize", lambda *a, **k: None),
+            mock.patch("torch.cuda.current_device", lambda *a, **k: "cpu")]
+    for p in cuda:
+        p.start()
+    queues = {"nvrx": NvrxQueue(persistent=True, cpu_shm_mode=True), "mcore": McoreQueue(persistent=False)}
+    try:
+        yield queues
+    finally:
+        for q in queues.values():
+            q.close()
+        for p in cuda:
+            p.stop()
+        dist.destroy_process_group()
+
+
+def checkpoint_cfg(directory, **kw):
+    fields = dict(save=str(directory), load=None, save_optim=True, load_optim=True, async_save=True,
+                  ckpt_format="torch_dist", use_persistent_ckpt_worker=True, dist_ckpt_optim_fully_reshardable=False)
+    fields.update(kw)
+    return ns(**fields)
+
+
+def rig_for(kind, directory, queue, **ckpt):
+    """Bridge's real train_step over the harness's loadable DistributedOptimizer (`kind`), with a
+    checkpoint config saving asynchronously and the run's queue on its global state."""
+    rig = harness.Rig(cfg=harness.config_container(mxfp8_copy=False, checkpoint=checkpoint_cfg(directory, **ckpt)))
+    opt = optimizer(**({} if kind == "torch" else CASES[kind]))
+    rig.dist_optimizer, rig.optimizer = opt, harness.ChainedOptimizer([opt], rig.events)
+    rig.global_state.async_calls_queue = queue
+    return rig
+
+
+def bridge_save(state, dist_optimizer, directory, strategy, schedule=True):
+    """What Bridge's save_checkpoint does with the optimizer state when async_save is set
+    (checkpointing.py): the sharded state dict (dp_reshardable, Bridge's default), Megatron-Core's
+    dist_checkpointing.save with async_sharded_save, the request scheduled on the run's queue.
+    schedule=False returns the request instead (scheduled later by the test)."""
+    from megatron.core import dist_checkpointing
+
+    os.makedirs(directory)
+    state_dict = {"optimizer": dist_optimizer.sharded_state_dict({}, False, metadata=FORMAT)}
+    request = dist_checkpointing.save(state_dict, str(directory), async_sharded_save=True, async_strategy=strategy)
+    if not schedule:
+        return request
+    state.async_calls_queue.schedule_async_request(request)
+
+
+def sync_save(dist_optimizer, directory):
+    from megatron.core import dist_checkpointing
+
+    os.makedirs(directory)
+    dist_checkpointing.save({"optimizer": dist_optimizer.sharded_state_dict({}, False, metadata=FORMAT)},
+                            str(directory))
+
+
+def save_site():
+    return patcher._current.callsites.site(targets.target("save_checkpoint"))
+
+
+def model_keys(dist_optimizer):
+    """The checkpoint keys of tensors that are the model's own (the fp32 parameter's shard)."""
+    from test_resume_host import sharded_tensors
+
+    model = {b.param_data.untyped_storage().data_ptr() for b in dist_optimizer.buffers}
+    state_dict = dist_optimizer.sharded_state_dict({}, False, metadata=FORMAT)
+    return {t.key for t in sharded_tensors(state_dict) if t.data.untyped_storage().data_ptr() in model}
+
+
+def differing(a, b, skip=()):
+    """The keys in which two checkpoints differ (scripts/check_checkpoint.py, entry by entry), but `skip`."""
+    return [k for k in check_checkpoint.differing(str(a), str(b)) if k not in skip]
+
+
+def engine_of(rig):
+    _, session = patcher._current.callsites.registry.lookup(rig.optimizer)
+    return session.adapter.engine
+
+
+def setup_kind(megatron_core_for, kind):
+    megatron_core_for("torch" if kind == "torch" else kind.split("-")[0])
+
+
+# -- 1. a save captured while the next updates run ------------------------------------------------------
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_save_pending_while_the_next_updates_run_holds_its_own_iteration(writers, megatron_core_for, kind,
+                                                                            tmp_path):
+    """Bridge's flow with its default writer (nvidia-resiliency-ext, persistent worker): an
+    asynchronous save at iteration 2, not finalized; iterations 3 and 4 run, the streamed update
+    rewriting the host buffer; then Bridge's finalize. The checkpoint is iteration 2's, equal to a
+    synchronous save of it; iteration 4's differs from it."""
+    setup_kind(megatron_core_for, kind)
+    bridge_fgo.patch(offload="builtin", chunk_mb=1)
+    rig = rig_for(kind, tmp_path, writers["nvrx"])
+    harness.run_steps(rig, steps=2)
+    sync_save(rig.dist_optimizer, tmp_path / "sync2")  # the last update's copies are waited for by its reader
+    save_site()(bridge_save, None, (rig.global_state, rig.dist_optimizer, tmp_path / "async2", "nvrx"), {})
+    assert writers["nvrx"].get_num_unfinalized_calls() == 1
+    harness.run_steps(rig, steps=2)
+    writers["nvrx"].maybe_finalize_async_calls(blocking=True)
+    sync_save(rig.dist_optimizer, tmp_path / "sync4")
+    assert engine_of(rig).on_host()
+    skip = model_keys(rig.dist_optimizer)
+    assert len(skip) <= 1 and check_checkpoint.contents(str(tmp_path / "sync2"))["optimizer_tensors"] >= 6
+    assert differing(tmp_path / "async2", tmp_path / "sync2", skip) == []
+    assert differing(tmp_path / "async2", tmp_path / "sync4", skip)  # the buffer was rewritten meanwhile
+
+
+@pytest.mark.parametrize("strategy", ["nvrx", "mcore"])
+@pytest.mark.parametrize("kind", harness.OPTIMIZERS)
+def test_each_writer_captures_inside_the_save_call(writers, megatron_core_for, kind, strategy, tmp_path):
+    """Both writers copy the host states inside the save call: a request made at iteration 2 and
+    scheduled only after iterations 3 and 4 rewrote the host buffer still writes iteration 2 (a
+    writer that kept views of the buffer would write iteration 4's values here)."""
+    setup_kind(megatron_core_for, kind)
+    bridge_fgo.patch(offload="builtin", chunk_mb=1)
+    rig = rig_for(kind, tmp_path, writers[strategy])
+    harness.run_steps(rig, steps=2)
+    sync_save(rig.dist_optimizer, tmp_path / "sync2")
+    request = save_site()(bridge_save, None, (rig.global_state, rig.dist_optimizer, tmp_path / "async2", strategy),
+                          {"schedule": False})
+    harness.run_steps(rig, steps=2)
+    writers[strategy].schedule_async_request(request)
+    writers[strategy].maybe_finalize_async_calls(blocking=True)
+    assert differing(tmp_path / "async2", tmp_path / "sync2", model_keys(rig.dist_optimizer)) == []
+
+
+# -- 2. and 3. a save pending at the end of training, at unpatch() ----------------------------------------
+
+def train(rig, body):
+    """bridge_fgo's wrapper of Bridge's train() around `body` (the loop: Bridge's real train_step)."""
+    loop = patcher._current.callsites.site(targets.target("train"))
+    return loop(body, None, (), {"model": rig.model, "optimizer": rig.optimizer, "global_state": rig.global_state})
+
+
+@pytest.mark.parametrize("end", ["finalized-by-train", "pending-when-train-raised"])
+@pytest.mark.parametrize("kind", harness.OPTIMIZERS)
+def test_a_save_pending_at_the_end_of_training(writers, megatron_core_for, kind, end, tmp_path):
+    """Bridge's train() finalizes its queue (blocking) before it returns; when it raises, the save is
+    still in flight as bridge_fgo parks the states (copies waited for, the buffer unpinned in place,
+    never freed or rewritten): the checkpoint is the save's iteration either way, nothing stays pinned."""
+    setup_kind(megatron_core_for, kind)
+    bridge_fgo.patch(offload="builtin", chunk_mb=1)
+    queue = writers["nvrx"]
+    rig = rig_for(kind, tmp_path, queue)
+
+    def loop(**_):
+        harness.run_steps(rig, steps=2)
+        sync_save(rig.dist_optimizer, tmp_path / "sync2")
+        save_site()(bridge_save, None, (rig.global_state, rig.dist_optimizer, tmp_path / "async2", "nvrx"), {})
+        harness.run_steps(rig, steps=1)
+        if end == "finalized-by-train":
+            queue.maybe_finalize_async_calls(blocking=True)  # Bridge's train(): finalize_async_saves(blocking=True)
+        else:
+            raise RuntimeError("fault in iteration 4")
+
+    if end == "finalized-by-train":
+        train(rig, loop)
+        assert queue.get_num_unfinalized_calls() == 0
+    else:
+        with pytest.raises(RuntimeError, match="iteration 4"):
+            train(rig, loop)
+        assert queue.get_num_unfinalized_calls() == 1
+    engine = engine_of(rig)
+    assert hostmem.pinned_bytes() == 0 and engine.buffer.unpinned and not engine.buffer.freed
+    queue.maybe_finalize_async_calls(blocking=True)
+    assert differing(tmp_path / "async2", tmp_path / "sync2", model_keys(rig.dist_optimizer)) == []
+
+
+@pytest.mark.parametrize("kind", harness.OPTIMIZERS)
+def test_a_save_pending_at_unpatch(writers, megatron_core_for, kind, tmp_path):
+    """unpatch() with a save in flight: the engine closes (states back on the device as ordinary
+    tensors, the pinned buffer freed) while the writer still has to write; the checkpoint is the save's
+    iteration, and the optimizer goes on as one that never offloaded."""
+    setup_kind(megatron_core_for, kind)
+    bridge_fgo.patch(offload="builtin", chunk_mb=1)
+    queue = writers["nvrx"]
+    rig = rig_for(kind, tmp_path, queue)
+    twin = rig_for(kind, tmp_path, queue)  # the same run without offload, stepped after unpatch
+    harness.run_steps(rig, steps=2)
+    sync_save(rig.dist_optimizer, tmp_path / "sync2")
+    save_site()(bridge_save, None, (rig.global_state, rig.dist_optimizer, tmp_path / "async2", "nvrx"), {})
+    harness.run_steps(rig, steps=1)
+    engine = engine_of(rig)
+    bridge_fgo.unpatch()
+    assert engine.buffer is None and hostmem.pinned_bytes() == 0 and queue.get_num_unfinalized_calls() == 1
+    queue.maybe_finalize_async_calls(blocking=True)
+    assert differing(tmp_path / "async2", tmp_path / "sync2", model_keys(rig.dist_optimizer)) == []
+    harness.run_steps(twin, steps=3)
+    harness.run_steps(rig, steps=1)
+    harness.run_steps(twin, steps=1)
+    from test_streamed import assert_same
+
+    assert_same(snapshot(twin.dist_optimizer), snapshot(rig.dist_optimizer))
+
+
+# -- 4. the safety net: a writer that keeps views of the host buffer ---------------------------------------
+
+class ViewWriterQueue:
+    """A stand-in writer that does not copy: its request keeps the sharded state dict's tensors (views of
+    the pinned buffer) and writes them when it runs, here when the queue is finalized (an in-process,
+    background writer reading at its own pace)."""
+
+    def __init__(self):
+        self.pending = []
+
+    def schedule_async_request(self, request):
+        self.pending.append(request)
+
+    def get_num_unfinalized_calls(self):
+        return len(self.pending)
+
+    def maybe_finalize_async_calls(self, blocking=False, no_dist=False):
+        if blocking:
+            while self.pending:
+                self.pending.pop(0)()
+
+
+def view_writer_save(state, dist_optimizer, path):
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    state_dict = dist_optimizer.sharded_state_dict({}, False, metadata=FORMAT)
+    held = {k: v for k, v in check_checkpoint.flat(state_dict) if isinstance(v, ShardedTensor)}
+
+    def write():
+        torch.save({k: v.data.clone() for k, v in held.items()}, path)
+
+    state.async_calls_queue.schedule_async_request(write)
+
+
+def at_iteration_2(megatron_core_for, kind, tmp_path, queue):
+    """A run under the streamed step after iteration 2, and its states as a direct reader sees them."""
+    setup_kind(megatron_core_for, kind)
+    bridge_fgo.patch(offload="builtin", chunk_mb=1)
+    rig = rig_for(kind, tmp_path, queue)
+    harness.run_steps(rig, steps=2)
+    bridge_fgo.synchronize()  # a direct reader of the states waits for the last update's copies
+    return rig, snapshot(rig.dist_optimizer)
+
+
+def _same_states(written, want):
+    """Every tensor the writer wrote is one of the states the optimizer held at the save."""
+    pool = [t for t in want.values() if isinstance(t, torch.Tensor)]
+    return all(any(w.dtype == p.dtype and w.numel() == p.numel() and torch.equal(w.flatten(), p.flatten())
+                   for p in pool) for w in written.values() if w.numel())
+
+
+@pytest.mark.parametrize("kind", harness.OPTIMIZERS)
+def test_a_writer_holding_views_is_finished_before_training_goes_on(megatron_core_for, kind, tmp_path, caplog):
+    """The watch around save_checkpoint sees the request holding the states after the call: every rank
+    finishes the save before training goes on, with one WARNING, and the checkpoint is iteration 2's."""
+    caplog.set_level("WARNING", logger="bridge_fgo")
+    queue = ViewWriterQueue()
+    rig, want = at_iteration_2(megatron_core_for, kind, tmp_path, queue)
+    for _ in range(2):  # one warning per rank, however many saves wait
+        save_site()(view_writer_save, None, (rig.global_state, rig.dist_optimizer, tmp_path / "held.pt"), {})
+        assert queue.get_num_unfinalized_calls() == 0  # finished inside the save call
+    harness.run_steps(rig, steps=2)
+    warnings = [r.getMessage() for r in caplog.records if "async_save" in r.getMessage()]
+    assert len(warnings) == 1 and "still held the optimizer states' pinned host buffer" in warnings[0]
+    assert "as a synchronous one would be" in warnings[0] and "chunk_mb=0" in warnings[0]
+    assert _same_states(torch.load(tmp_path / "held.pt"), want)
+
+
+@pytest.mark.parametrize("kind", harness.OPTIMIZERS)
+def test_without_the_watch_that_writer_would_write_later_states(megatron_core_for, kind, tmp_path):
+    """The control: the same writer called without the watch writes what the next updates left."""
+    queue = ViewWriterQueue()
+    rig, want = at_iteration_2(megatron_core_for, kind, tmp_path, queue)
+    view_writer_save(rig.global_state, rig.dist_optimizer, tmp_path / "held.pt")  # not through the call site
+    harness.run_steps(rig, steps=2)
+    queue.maybe_finalize_async_calls(blocking=True)
+    assert not _same_states(torch.load(tmp_path / "held.pt"), want)
+
+
+def test_another_ranks_held_save_makes_every_rank_finish_it(monkeypatch, tmp_path):
+    """Finishing the save is collective (Bridge's finalize all-reduces and barriers): a rank whose own
+    save left nothing behind finishes it too when another rank's did."""
+    bridge_fgo.patch(offload="builtin", chunk_mb=1)
+    queue = ViewWriterQueue()
+    rig = rig_for("torch", tmp_path, queue)
+    harness.run_steps(rig, steps=1)
+    exchanged = []
+    monkeypatch.setattr(saves.agree, "gather", lambda v: exchanged.append(v) or [v, saves.HELD])
+    finished = []
+    queue.schedule_async_request(lambda: finished.append(True))
+    save_site()(lambda state: None, None, (rig.global_state,), {})
+    assert exchanged == [None] and finished == [True]
+
+
+def test_a_save_that_moves_the_buffer_is_refused(tmp_path):
+    """Pickling a view of the pinned buffer for a worker process moves the whole storage into shared
+    memory: the watch refuses it, naming the fix."""
+    bridge_fgo.patch(offload="builtin", chunk_mb=1)
+    rig = rig_for("torch", tmp_path, ViewWriterQueue())
+    harness.run_steps(rig, steps=1)
+    engine = engine_of(rig)
+
+    def moving_save(state):
+        engine.buffer.tensor[:8].untyped_storage().share_memory_()
+
+    with pytest.raises(BridgeFGOError, match="moved the .*pinned buffer.*chunk_mb=0"):
+        save_site()(moving_save, None, (rig.global_state,), {})
+
+
+def test_synchronous_saves_and_other_modes_are_not_watched(monkeypatch, tmp_path):
+    bridge_fgo.patch(offload="builtin", chunk_mb=1)
+    rig = rig_for("torch", tmp_path, ViewWriterQueue(), async_save=False)
+    harness.run_steps(rig, steps=1)
+    monkeypatch.setattr(saves, "Watch", None)  # would fail if used
+    assert save_site()(lambda state: "saved", None, (rig.global_state,), {}) == "saved"
+    options = bridge_fgo.options.Options(offload="builtin", chunk_mb=0)
+    assert not saves.watched(rig_for("torch", tmp_path, None).cfg, options)
+
+
+# -- 5. the host-memory check counts the writer's copy -------------------------------------------------------
+
+@pytest.mark.parametrize("persistent", [True, False])
+def test_the_host_memory_check_counts_the_snapshot(monkeypatch, tmp_path, caplog, persistent):
+    caplog.set_level("INFO", logger="bridge_fgo")
+    checked = []
+    real = hostmem.check_fits
+    monkeypatch.setattr(hostmem, "check_fits", lambda *a, **k: checked.append((a, k)) or real(*a, **k))
+    bridge_fgo.patch(offload="builtin", chunk_mb=1)
+    rig = rig_for("te", tmp_path, ViewWriterQueue(), use_persistent_ckpt_worker=persistent)
+    harness.run_steps(rig, steps=1)
+    engine = engine_of(rig)
+    ((pinned,), kw), = checked
+    assert pinned == engine.pinned_bytes > 0 and kw == {"snapshot_per_rank": pinned, "snapshot_in_shm": persistent}
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("[rank 0] host memory:")]
+    assert f"+ {hostmem.fmt_bytes(pinned)} per rank while an asynchronous checkpoint save is written" in line
+    assert ("/dev/shm" in line) == persistent
+
+
+def test_without_async_saves_nothing_more_is_counted(monkeypatch, tmp_path):
+    checked = []
+    monkeypatch.setattr(hostmem, "check_fits", lambda *a, **k: checked.append(k) or hostmem.check.check_fits(*a))
+    bridge_fgo.patch(offload="builtin", chunk_mb=1)
+    harness.run_steps(rig_for("te", tmp_path, None, async_save=False), steps=1)
+    assert checked == [{"snapshot_per_rank": 0, "snapshot_in_shm": False}]
+
+
+def test_a_dev_shm_too_small_for_the_snapshots_is_refused_before_anything_is_pinned(monkeypatch, tmp_path):
+    monkeypatch.setattr(hostmem.available, "shm_free", lambda root=None: 4096)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    pinned = []
+    monkeypatch.setattr(hostmem, "pin", lambda *a, **k: pinned.append(a))
+    bridge_fgo.patch(offload="builtin", chunk_mb=1)
+    rig = rig_for("te", tmp_path, None)
+    with pytest.raises(BridgeFGOConfigError) as err:
+        harness.run_steps(rig, steps=1)
+    msg = str(err.value)
+    assert "would not fit in /dev/shm" in msg and "use_persistent_ckpt_worker" in msg and "--shm-size" in msg
+    assert "async_save=False" in msg and "chunk_mb=0" in msg and pinned == [] and rig.events == []
+
+
+# -- 6. what is refused --------------------------------------------------------------------------------------
+
+def test_async_save_is_served_for_torch_dist_and_the_rest_still_refused(tmp_path):
+    inners = [optimizer().optimizer]
+    cfg = ns(optimizer=ns(), ddp=ns(), model=ns(), logger=ns(), checkpoint=checkpoint_cfg(tmp_path))
+    assert refusals.streamed(cfg, inners) == []
+    cfg.checkpoint.ckpt_format = "fsdp_dtensor"
+    (only,) = refusals.streamed(cfg, inners)
+    assert only.startswith("cfg.checkpoint.ckpt_format='fsdp_dtensor'") and "chunk_mb=0" in only
+    cfg.checkpoint.ckpt_format, cfg.checkpoint.dist_ckpt_optim_fully_reshardable = "torch_dist", True
+    (only,) = refusals.streamed(cfg, inners)
+    assert only.startswith("cfg.checkpoint.dist_ckpt_optim_fully_reshardable=True")
+    # Megatron-Core's chunked line keeps its refusal (tests/test_chunked.py runs it through train_step)
+    cfg.checkpoint.dist_ckpt_optim_fully_reshardable = False
+    (only,) = refusals.async_checkpoint(cfg, "why")
+    assert only.startswith("cfg.checkpoint.async_save=True while optimizer state is saved: why")
