@@ -37,17 +37,15 @@ import torch.distributed as dist
 from bridge_fgo.engine.tensors import SCALE
 from conftest import MCORE
 from test_agree import gloo_group, run_ranks_with
+from test_streamed import _equal, snapshot
 from support import dp
 
 CHUNK = 300  # bytes: several chunks per rank
 STEPS, MORE = 2, 2  # steps before the save; steps after it (uninterrupted) or after the resume
 ALL = [(case, fmt) for case in dp.CASES for fmt in dp.FORMATS]
 TE_MASTERS = "te-precision-aware-te-masters"
-KNOWN_TE_MASTERS = (
-    "with TE holding the masters, TE's load_state_dict makes every state anew with empty_like(param), where "
-    "its parameter is: the bf16 shard on the GPU; the engine takes them into the host views only when it "
-    "returns, so every state of the rank passes through the GPU during the load (and torch's "
-    "Optimizer.load_state_dict casts each loaded state to the parameter's dtype and device before that)")
+KNOWN_TE_MASTERS = ("TE holding the masters: its load_state_dict makes every state on the GPU (empty_like of "
+                    "the bf16 shard) until the engine takes it back (design.md#from-construction)")
 
 
 def checkpoint(out, world, case, fmt, variant):
@@ -81,11 +79,11 @@ def save_all(out, world, gpu):
                         rec[fmt, variant] = {"error": f"{type(exc).__name__}: {exc}"}
             # (the first save waited for the last step's tail: the states are whole to read directly)
             rec["saved"] = offloaded.model_space()
-            rec["streamed"] = (_same(offloaded.snapshot(), plain.snapshot())
+            rec["streamed"] = (_equal(snapshot(offloaded.dist), snapshot(plain.dist))
                                and _same_space(rec["saved"], plain.model_space()))
             for _ in range(MORE):
                 offloaded.step(engine)
-            rec["uninterrupted"] = offloaded.snapshot()
+            rec["uninterrupted"] = snapshot(offloaded.dist)
             engine.close()
     return record
 
@@ -138,7 +136,7 @@ def resume_one(case, fmt, path, offload, gpu):
                                     for part in engine.parts for e in part.entries())
     for _ in range(MORE):
         run.step(engine)
-    rec["resumed"] = run.snapshot()
+    rec["resumed"] = snapshot(run.dist)
     if engine is not None:
         engine.close()
     return rec
@@ -161,10 +159,6 @@ def _sharded_tensors(tree, padding=False):
     return [(tree, padding)] if isinstance(tree, ShardedTensor) else []
 
 
-def _same(a, b):
-    return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
-
-
 def _same_space(a, b):
     """Two ranks' model-space records (Run.model_space) alike."""
     return a.keys() == b.keys() and all(
@@ -172,12 +166,6 @@ def _same_space(a, b):
         (a[n].keys() == b[n].keys()
          and all(a[n][k][:2] == b[n][k][:2] and _equal(a[n][k][2], b[n][k][2]) for k in a[n]))
         for n in a)
-
-
-def _equal(a, b):
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    return a == b
 
 
 def _worker(rank, world, port, out_dir, root, roles):
@@ -346,9 +334,9 @@ def test_a_resume_loads_into_host_memory_and_steps_bit_identically(runs, saved_b
             # torch_dist writes straight into the pinned buffer: one filled tensor per master and state there
             assert offload["filled in the buffer"] == offload["entries"] and offload["filled elsewhere"] == 0
         assert _same_space(offload["loaded"], plain["loaded"]), rank
-        assert _same(offload["resumed"], plain["resumed"]), rank
+        assert _equal(offload["resumed"], plain["resumed"]), rank
         if saved_by == world:
-            assert _same(offload["resumed"], runs[world][rank]["save"][case]["uninterrupted"]), rank
+            assert _equal(offload["resumed"], runs[world][rank]["save"][case]["uninterrupted"]), rank
     # what loaded is what was saved, every element of every state, over all ranks (a reshard included)
     _assert_same_space(assemble([r["offload"]["loaded"] for r in records]), saved)
     if known:

@@ -140,6 +140,9 @@ class GpuOnCpu(TorchFunctionMode):
                 self._mark(name, t, _tensors(args))
             return out
         out = func(*args, **kwargs)
+        outs = _tensors(out)
+        if not outs:
+            return out  # (most calls: shapes, pointers, in-place ops returning nothing new)
         if func in TO_HOST or any(d is not None for d in named):
             # another device named: the host. A copy out of the GPU is a copy here too
             if isinstance(out, torch.Tensor) and self.on_gpu(out):
@@ -148,7 +151,7 @@ class GpuOnCpu(TorchFunctionMode):
             return out
         inputs = _tensors(args) + _tensors(kwargs)
         if any(self.on_gpu(t) for t in inputs):
-            for t in _tensors(out):
+            for t in outs:
                 self._mark(name, t, inputs)
         return out
 
@@ -286,23 +289,6 @@ class Run:
         inner = self.dist.optimizer
         steps = {g["step"] for g in inner.param_groups if "step" in g and g["params"]}
         out["group step"] = sorted(float(s) for s in steps) if contracts.of(inner).group_step else []
-        return out
-
-    def snapshot(self):
-        """The rank's states as they are (dtypes kept), its model weights, the group steps."""
-        from bridge_fgo.engine import contracts
-
-        inner = self.dist.optimizer
-        out = {f"param {n}": p.detach().clone() for n, p in self.model.module.named_parameters()}
-        for gi, g in enumerate(inner.param_groups):
-            if contracts.of(inner).group_step and "step" in g:  # torch AdamW keeps its step per parameter
-                out[f"group{gi}.step"] = g["step"]
-            for i, p in enumerate(g["params"]):
-                out[f"group{gi}.param{i}"] = p.detach().clone()
-                for k, v in inner.state.get(p, {}).items():
-                    out[f"group{gi}.param{i}.{k}"] = v.detach().clone()
-                for k, v in getattr(inner, "_scales", {}).get(p, {}).items():
-                    out[f"group{gi}.param{i}.scale.{k}"] = v.clone()
         return out
 
     # -- checkpoints, as Bridge's save_checkpoint and load_checkpoint make them --------------------------
