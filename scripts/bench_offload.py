@@ -22,7 +22,7 @@ run's, entry by entry.
 
 Parallel layouts for scripts/bench_matrix.py: --tp, --pp/--vpp, --experts/--ep (a mixture-of-experts
 model on Megatron-Core's local spec); checkpoints for scripts/check_checkpoint.py: --save/--save-interval/
---async-save, --load/--ckpt-step/--resume-fix.
+--async-save, --fully-reshardable, --load/--ckpt-step/--resume-fix.
 
 Workload: Llama-style GPT, 887M parameters (16 layers, hidden 2048, ffn 5632, seq 1024, mbs 2, gbs 16),
 bf16, distributed optimizer (--optimizer picks what runs inside), mock data, Megatron-Core's
@@ -273,7 +273,8 @@ def run(args):
         # --save: one synchronous torch_dist checkpoint at the last iteration (scripts/check_checkpoint.py)
         checkpoint=C.CheckpointConfig(save=args.save, load=args.load, ckpt_step=args.ckpt_step,
                                       save_interval=(args.save_interval or args.iters) if args.save else None,
-                                      ckpt_format="torch_dist", async_save=args.async_save, save_optim=True),
+                                      ckpt_format="torch_dist", async_save=args.async_save, save_optim=True,
+                                      dist_ckpt_optim_fully_reshardable=args.fully_reshardable),
         rng=C.RNGConfig(seed=1234), mixed_precision="fp16_mixed" if args.fp16 else "bf16_mixed",
     )
     report_holder = {}
@@ -327,7 +328,8 @@ def run(args):
         "model_spec": "transformer_engine" if args.te_spec else "local",
         "activation_offload": args.act_offload_modules.split(",") if args.act_offload else None,
         "checkpoint": {"save": args.save, "save_interval": args.save_interval, "async_save": args.async_save,
-                       "load": args.load, "ckpt_step": args.ckpt_step, "resume_fix": args.resume_fix}, "megatron_core_from": os.path.dirname(sys.modules["megatron.core"].__file__),
+                       "load": args.load, "ckpt_step": args.ckpt_step, "resume_fix": args.resume_fix,
+                       "fully_reshardable": args.fully_reshardable}, "megatron_core_from": os.path.dirname(sys.modules["megatron.core"].__file__),
         "te_adam_check_bypassed": args.bypass_te_adam_check, "world_size": int(os.environ.get("WORLD_SIZE", "1")),
         "device": torch.cuda.get_device_name(), "torch": torch.__version__,
         "iters": len(recs), "pretrain_wall_s": wall,
@@ -882,6 +884,9 @@ def main():
     r.add_argument("--async-save", action="store_true", help="Bridge's async_save=True")
     r.add_argument("--load", help="resume from this checkpoint directory")
     r.add_argument("--ckpt-step", type=int, help="with --load: the iteration to resume from")
+    r.add_argument("--fully-reshardable", action="store_true",
+                   help="save the optimizer state as fully_reshardable (dist_ckpt_optim_fully_reshardable=True; a load "
+                        "reads the format the checkpoint records)")
     r.add_argument("--resume-fix", choices=("none", "prime", "full"), default="none",
                    help="Megatron-Core without TE/apex cannot load torch AdamW state; see scripts/resume_fix.py")
     r.add_argument("--tp", type=int, default=1)

@@ -18,10 +18,15 @@ d48bd6be and main d98e8a64 unchanged). Loading a checkpoint then goes wrong thre
    state in, step included. The step is not in the checkpoint (a LocalNonpersistentObject), so what
    lands over the checkpoint's step is the step the optimizer held when the load was prepared.
 
-install() wraps both methods on the class: before a load into an empty optimizer it creates the
+4. The `fully_reshardable` and `dp_zero_gather_scatter` formats carry no per-parameter step, yet
+   `_set_main_param_and_optimizer_states` looks up every tensor state the optimizer holds in what was
+   loaded, step included: `KeyError: 'step'`. No such checkpoint can be loaded.
+
+install() wraps the three methods on the class: before a load into an empty optimizer it creates the
 state the optimizer's own `init_state_fn` creates plus a step of 0 (the load overwrites the tensors
-from the checkpoint); after `load_state_dict`, every parameter gets its own step tensor holding the
-step saved in the checkpoint's param groups.
+from the checkpoint); while a parameter's state is set from a checkpoint without steps, its step is
+set aside; after `load_state_dict`, every parameter gets its own step tensor holding the step saved in
+the checkpoint's param groups.
 """
 import functools
 import inspect
@@ -35,7 +40,7 @@ def install(restore_step=True):
     cls = m.DistributedOptimizer
     if m.HAVE_APEX_OR_TE or getattr(cls, "_resume_fix", None) is not None:
         return
-    sharded, load = cls.sharded_state_dict, cls.load_state_dict
+    sharded, load, setter = cls.sharded_state_dict, cls.load_state_dict, cls._set_main_param_and_optimizer_states
     is_loading_of = _argument_reader(sharded, "is_loading")
     state_dict_of = _argument_reader(load, "state_dict")
 
@@ -53,8 +58,21 @@ def install(restore_step=True):
             set_step(self, step)
         return out
 
+    @functools.wraps(setter)
+    def _set_main_param_and_optimizer_states(self, model_param, tensors):
+        if "step" in tensors:
+            return setter(self, model_param, tensors)
+        state = main_state(self, model_param)
+        step = state.pop("step", None)  # restored below, then set from the checkpoint by load_state_dict
+        try:
+            return setter(self, model_param, tensors)
+        finally:
+            if step is not None:
+                state["step"] = step
+
     cls.sharded_state_dict, cls.load_state_dict = sharded_state_dict, load_state_dict
-    cls._resume_fix = (sharded, load)
+    cls._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
+    cls._resume_fix = (sharded, load, setter)
 
 
 def prime(dist_opt):
@@ -68,6 +86,12 @@ def prime(dist_opt):
     for group in inner.param_groups:
         for p in group["params"]:
             inner.state[p]["step"] = torch.tensor(0.0)
+
+
+def main_state(dist_opt, model_param):
+    """The inner optimizer's state of the master of `model_param` (Megatron-Core's own lookup)."""
+    group_index, group_order = dist_opt.model_param_group_index_map[model_param]
+    return dist_opt.optimizer.state[dist_opt.optimizer.param_groups[group_index]["params"][group_order]]
 
 
 def saved_step(state_dict):
@@ -103,5 +127,5 @@ def uninstall():
     cls = m.DistributedOptimizer
     saved = cls.__dict__.get("_resume_fix")
     if saved is not None:
-        cls.sharded_state_dict, cls.load_state_dict = saved
+        cls.sharded_state_dict, cls.load_state_dict, cls._set_main_param_and_optimizer_states = saved
         del cls._resume_fix

@@ -154,15 +154,38 @@ def test_resumed_optimizer_under_the_streamed_engine_equals_the_uninterrupted_ru
         assert_same(snapshot(uninterrupted), snapshot(resumed))
 
 
+@pytest.mark.parametrize("with_fix", [False, True])
+def test_a_checkpoint_without_steps_sets_the_states_and_leaves_the_step(fix, with_fix):
+    """fully_reshardable and dp_zero_gather_scatter load through _set_main_param_and_optimizer_states
+    with the master and the moments only; Megatron-Core looks the step up there too."""
+    if with_fix:
+        fix()
+    opt = optimizer()
+    step(opt)
+    model = opt.model_float16_groups[0][0]
+    loaded = {k: torch.full_like(v, 3.0) for k, v in opt._get_main_param_and_optimizer_states(model).items()
+              if k != "step"}
+    if not with_fix:
+        with pytest.raises(KeyError, match="step"):
+            opt._set_main_param_and_optimizer_states(model, loaded)
+        return
+    before = resume_fix.main_state(opt, model)["step"]
+    opt._set_main_param_and_optimizer_states(model, loaded)
+    after = opt._get_main_param_and_optimizer_states(model)
+    assert after.pop("step") is before and float(before) == 1.0
+    assert all(torch.equal(v, loaded[k]) for k, v in after.items())
+
+
 def test_install_is_idempotent_and_uninstall_restores_megatron_core(fix):
     cls = distrib_optimizer.DistributedOptimizer
-    original = cls.load_state_dict, cls.sharded_state_dict
+    names = ("load_state_dict", "sharded_state_dict", "_set_main_param_and_optimizer_states")
+    original = [vars(cls)[n] for n in names]
     fix()
-    patched = cls.load_state_dict, cls.sharded_state_dict
+    patched = [vars(cls)[n] for n in names]
     fix()
-    assert (cls.load_state_dict, cls.sharded_state_dict) == patched != original
+    assert [vars(cls)[n] for n in names] == patched and all(a is not b for a, b in zip(patched, original))
     resume_fix.uninstall()
-    assert (cls.load_state_dict, cls.sharded_state_dict) == original
+    assert [vars(cls)[n] for n in names] == original
 
 
 def test_harness_optimizer_is_the_real_class():

@@ -478,8 +478,6 @@ def cfg(**sections):
     ("ddp", {"fp8_param_gather": True}, "cfg.ddp.fp8_param_gather"),
     ("ddp", {"fp4_param_gather": True}, "cfg.ddp.fp4_param_gather"),
     ("checkpoint", {"save": "/ckpt", "ckpt_format": "torch"}, "cfg.checkpoint.ckpt_format"),
-    ("checkpoint", {"load": "/ckpt", "dist_ckpt_optim_fully_reshardable": True},
-     "cfg.checkpoint.dist_ckpt_optim_fully_reshardable"),
 ])
 def test_configurations_the_streamed_step_cannot_serve_are_named_with_the_fix(section, fields, field):
     found = refusals.streamed(cfg(**{section: types.SimpleNamespace(**fields)}), [make().optimizer])
@@ -497,6 +495,9 @@ def test_servable_configurations_and_optimizers_pass():
     assert refusals.streamed(cfg(checkpoint=ns(save="/ckpt", ckpt_format="torch_dist")), inners) == []
     # served inside the streamed update (tests/test_normqk.py)
     assert refusals.streamed(cfg(model=ns(qk_clip=True), logger=ns(log_params_norm=True)), inners) == []
+    # served: its save gathers copies of the host views, its load copies into them (test_resume_dp.py)
+    assert refusals.streamed(cfg(checkpoint=ns(save="/ckpt", load="/ckpt", dist_ckpt_optim_fully_reshardable=True)),
+                             inners) == []
 
 
 @pytest.mark.parametrize("inner, words", [

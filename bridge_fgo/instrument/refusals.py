@@ -122,12 +122,9 @@ def streamed(cfg, inner_optimizers) -> List[str]:
         if getattr(ddp, name, False):
             out.append(f"cfg.ddp.{name}=True: quantizing master weights into parameters is one collective over all "
                        f"of them, which a chunked update cannot split; set it to False{fix}")
-    # an asynchronous save is served: its writer copies the host states inside the save call (saves.py)
+    # an asynchronous save is served: its writer copies the host states inside the save call (saves.py);
+    # so is dist_ckpt_optim_fully_reshardable: its save gathers copies of the host views, as Megatron-Core
+    # stages them without offload, and its load copies into them (tests/test_resume_dp.py)
     out += checkpoint_format(cfg, fix)
-    ckpt = getattr(cfg, "checkpoint", None)
-    if ckpt is not None and any(_saves_or_loads_optim(ckpt)) and getattr(ckpt, "dist_ckpt_optim_fully_reshardable",
-                                                                         False):
-        out.append("cfg.checkpoint.dist_ckpt_optim_fully_reshardable=True gathers optimizer state over the GPU "
-                   f"network; set it to False (per-rank 'dp_reshardable' is the default){fix}")
     out += [f"{p}" for p in contracts.streamed_problems(inner_optimizers)]
     return out
