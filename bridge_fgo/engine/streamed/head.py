@@ -132,7 +132,6 @@ class Head:
         self.prefetched: List[int] = []  # per step: chunks whose copy began in the last backward
         self.step_note: dict = {}  # this step's: the most room seen, where it left the curve
         self.last_note: dict = {}
-        self._marks = None
 
     # -- hooks on the model's parameters ----------------------------------------------------------
     def attach(self) -> None:
