@@ -184,12 +184,16 @@ def megatron_core_with(kind: str):
         else:
             kind = kind.split("-")[0]
             cls = fused_adam.TEFusedAdam if kind == "te" else fused_adam.ApexFusedAdam
-            for module, name, value in ((optimizer_module, "Adam", cls),
+            # megatron-core 0.18 and older check the inner optimizer against distrib_optimizer's own Adam
+            for module, name, value in ((optimizer_module, "Adam", cls), (distrib_optimizer, "Adam", cls),
                                         (optimizer_module, "USING_PYTORCH_OPTIMIZER", False),
                                         (distrib_optimizer, "HAVE_APEX_OR_TE", True),
                                         (distrib_optimizer, "USING_TE_OPTIMIZER", kind == "te"),
                                         (distrib_optimizer, "USING_APEX_OPTIMIZER", kind == "apex")):
                 stack.enter_context(mock.patch.object(module, name, value, create=True))
+            if kind == "te":  # the stand-in is TE 2.x's FusedAdam; megatron-core 0.16 asks TE's version
+                stack.enter_context(mock.patch.object(optimizer_module, "is_te_min_version",
+                                                      lambda *a, **k: True, create=True))
         yield
 
 
