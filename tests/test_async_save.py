@@ -325,6 +325,47 @@ def test_without_the_watch_that_writer_would_write_later_states(megatron_core_fo
     assert not _same_states(torch.load(tmp_path / "held.pt"), want)
 
 
+def test_a_writer_holding_views_is_seen_with_the_last_updates_copies_still_queued(megatron_core_for, tmp_path):
+    """The save comes straight after a step, its device-to-host copies still queued (they hold slices of
+    the buffer until the save's guarded reader waits for them): the count before the save is taken
+    after those copies, so the writer's views are seen and the save finished inside the call."""
+    setup_kind(megatron_core_for, "torch")
+    bridge_fgo.patch(offload="builtin", chunk_mb=1)
+    queue = ViewWriterQueue()
+    rig = rig_for("torch", tmp_path, queue)
+    harness.run_steps(rig, steps=2)  # no synchronize()
+    engine = engine_of(rig)
+    assert engine.transfers.tail is not None  # copies in flight as the save begins
+
+    def one_view_save(state, dist_optimizer):
+        # a writer that keeps a single state (fewer views than the copies queued before the save), read
+        # through Megatron-Core's guarded reader, which waits for those copies
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+        state_dict = dist_optimizer.sharded_state_dict({}, False, metadata=FORMAT)
+        view = next(v for _, v in check_checkpoint.flat(state_dict) if isinstance(v, ShardedTensor)).data
+        del state_dict
+        state.async_calls_queue.schedule_async_request(lambda: view.clone())
+
+    save_site()(one_view_save, None, (rig.global_state, rig.dist_optimizer), {})
+    assert queue.get_num_unfinalized_calls() == 0
+
+
+def test_where_torch_cannot_count_the_holders_every_save_is_finished_and_said_once(megatron_core_for, tmp_path,
+                                                                                   monkeypatch, caplog):
+    caplog.set_level("WARNING", logger="bridge_fgo")
+    queue = ViewWriterQueue()
+    rig, want = at_iteration_2(megatron_core_for, "torch", tmp_path, queue)
+    monkeypatch.delattr(torch._C, "_storage_Use_Count")
+    finished = []
+    for _ in range(2):
+        queue.schedule_async_request(lambda: finished.append(True))
+        save_site()(lambda state: None, None, (rig.global_state,), {})
+    assert finished == [True, True]
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "cannot count what holds the optimizer states' pinned host buffer" in said[0]
+
+
 def test_another_ranks_held_save_makes_every_rank_finish_it(monkeypatch, tmp_path):
     """Finishing the save is collective (Bridge's finalize all-reduces and barriers): a rank whose own
     save left nothing behind finishes it too when another rank's did."""

@@ -120,7 +120,7 @@ def test_chunks_come_in_during_the_last_backward_within_the_curve_and_stay_exact
             engine.settle()
             engine.synchronize()
         assert_same(snapshot(base), snapshot(opt))
-    assert engine.head.prefetched == [4, 4, 4] and engine.head.state == "on"
+    assert engine.head.prefetched == 4 and engine.head.state == "on"
     assert "the last step: 4 chunk(s), room up to" in engine.head.describe()
 
 
@@ -202,7 +202,7 @@ def test_without_a_gpu_nothing_is_measured_and_nothing_prefetched():
     engine = engine_for(opt, 600)
     for _ in range(2):
         step(opt, engine)
-    assert engine.head.state == "off" and engine.head.why_off is None and not engine.head.prefetched
+    assert engine.head.state == "off" and engine.head.why_off is None and engine.head.prefetched is None
     assert torch.cuda.is_available() or engine.head.describe() == "no prefetch during backward"
 
 
@@ -256,3 +256,87 @@ def test_with_activation_offloading_the_head_keeps_out_of_backward_and_the_line_
     (s,) = bridge_fgo.status().sessions
     assert s["activation_offload"] == ["core_attn", "attn_proj"]
     assert s["prefetch"].startswith("no prefetch during backward: Megatron-Core's fine-grained activation offloading")
+
+
+class FakeRecorder:
+    """torch.cuda.memory's event recording, as the head drives it (a CPU has none)."""
+
+    def __init__(self, monkeypatch, snapshot=None):
+        self.calls = []
+        monkeypatch.setattr(torch.cuda.memory, "_record_memory_history",
+                            lambda enabled=None, **k: self.calls.append(enabled))
+        monkeypatch.setattr(torch.cuda.memory, "_snapshot", snapshot or (lambda: {"device_traces": []}))
+
+
+def test_a_failing_measurement_ends_the_recording_and_never_fails_backward(monkeypatch, caplog):
+    rec = FakeRecorder(monkeypatch)
+    monkeypatch.setattr(head_mod, "_microbatches", lambda: 1)
+    engine = engine_for(make(), 600)
+    engine.head.begin_step(measure=True)
+    assert engine.head.state == "measuring" and rec.calls == ["all"]
+
+    def no_memory():
+        raise RuntimeError("a stand-in failure")
+
+    engine.head._allocated = no_memory
+    with caplog.at_level(logging.WARNING, logger="bridge_fgo"):
+        engine.head._fired()  # raises nothing
+    assert "measuring backward's memory failed (RuntimeError: a stand-in failure)" in caplog.text
+    assert engine.head.state == "off" and rec.calls == ["all", None]  # the recording ended with it
+
+
+def test_a_measured_step_that_never_finished_is_measured_again(monkeypatch):
+    rec = FakeRecorder(monkeypatch)
+    monkeypatch.setattr(head_mod, "_microbatches", lambda: 1)
+    engine = engine_for(make(), 600)
+    engine.head._allocated = lambda: 0
+    engine.head.begin_step(measure=True)
+    engine.head._fired = lambda: None  # (markers need a GPU)
+    engine.head._samples = [1, 2, 3]  # a backward that failed before gradient finalization
+    engine.head.begin_step(measure=True)  # the next step measures from scratch
+    assert rec.calls == ["all", None, "all"] and engine.head._samples == [] and engine.head.state == "measuring"
+    engine.head.detach()  # close() while measuring: the recording ends too
+    assert rec.calls[-1] is None and engine.head.state == "off"
+
+
+def test_a_trace_that_cannot_be_read_turns_the_head_off_without_failing_the_step(monkeypatch, caplog):
+    def broken():
+        raise RuntimeError("no snapshot (a stand-in)")
+
+    rec = FakeRecorder(monkeypatch)
+    monkeypatch.setattr(head_mod, "_microbatches", lambda: 1)
+    engine = engine_for(make(), 600)
+    engine.head._allocated = lambda: 0
+    engine.head.begin_step(measure=True)
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot", broken)
+    with caplog.at_level(logging.INFO, logger="bridge_fgo"):
+        assert engine.head.end_step() is None
+    assert engine.head.state == "off" and rec.calls == ["all", None]
+    assert "no prefetch during backward: reading the allocator's trace failed (RuntimeError" in caplog.text
+
+
+def test_a_step_of_another_microbatch_count_prefetches_nothing_and_says_so_once(monkeypatch, caplog):
+    count = {"n": 2}
+    monkeypatch.setattr(head_mod, "_microbatches", lambda: count["n"])
+    base, opt = make(), make()
+    engine = engine_for(opt, 600)
+    engine._window_at(600, 4)
+    armed_head(engine, Curve(at=[0], ahead=[0], first=0, hooks=1, microbatches=1), 10**9)
+    with caplog.at_level(logging.INFO, logger="bridge_fgo"):
+        for n in (2, 2, 1):  # a ramp: two steps of 2 microbatches, then the measured shape again
+            count["n"] = n
+            engine.offload()
+            engine.release()
+            for _ in range(n):
+                engine.head._fired()
+            assert bool(engine.transfers.started) == (n == 1)
+            engine.reload()
+            opt.step_states()
+            engine.settle()
+            engine.synchronize()
+            step(base)
+            if n == 2:
+                assert "(a step of 2 microbatch(es), not the measured 1)" in engine.head.describe()
+    said = [m for m in caplog.messages if "no prefetch during backward in steps of 2 microbatch(es)" in m]
+    assert len(said) == 1 and engine.head.state == "on" and engine.head.prefetched > 0
+    assert_same(snapshot(base), snapshot(opt))

@@ -19,7 +19,8 @@ GIB = 2**30
 
 def window_of(size, slots=2, total=12 * GIB):
     """A plan of `total` bytes of 4 MiB bundles: the window is `slots` chunks (at most one per chunk)."""
-    return min(slots, -(-total // size)) * size, size
+    chunks = -(-total // size)
+    return min(slots, chunks) * size, size, chunks
 
 
 def test_the_window_grows_into_the_headroom_up_to_the_cap():
@@ -62,6 +63,22 @@ def test_slots_never_outnumber_the_chunks():
     first = FirstStep(before=5 * GIB, backward=40 * GIB, base=4 * GIB, step=10 * GIB)
     size, slots, _ = sizing.choose(lambda size, n: window_of(size, n, 3 * GIB), first, 3 * GIB)
     assert size == GIB and slots == 3  # three chunks of 1 GiB: a fourth slot would hold nothing
+
+
+def test_a_slot_that_leaves_the_window_as_large_still_counts():
+    """Chunks of unequal sizes (2, 1, 1, 2 units) give a window of 4 units with two slots and with three
+    (slot i takes chunks i, i + n, ...): the third slot is a chunk that can come in early, for nothing."""
+    sizes = [2 * GIB, GIB, GIB, 2 * GIB]
+
+    def uneven(size, n):
+        ring = [0] * min(n, len(sizes))
+        for i, c in enumerate(sizes):
+            ring[i % n] = max(ring[i % n], c)
+        return sum(ring), max(sizes), len(sizes)
+
+    first = FirstStep(before=5 * GIB, backward=40 * GIB, base=4 * GIB, step=10 * GIB)
+    assert uneven(GIB, 2)[0] == uneven(GIB, 3)[0] == 4 * GIB
+    assert sizing.slots(uneven, first, GIB) == 4
 
 
 def test_nothing_measured_and_small_plans_keep_the_first_window():

@@ -173,7 +173,7 @@ class BuiltinAdapter:
             out.update(chunks=len(e.chunks), chunk_bytes=e.plan.chunk_bytes, window=e.window_note,
                        slots=len(e.transfers.window.slots) if e.transfers.window is not None else e.plan.slots,
                        prefetch=e.head.describe(),
-                       prefetched_chunks=e.head.prefetched[-1] if e.head.prefetched else None,
+                       prefetched_chunks=e.head.prefetched,
                        step_peak_bytes=e.window_bytes, master_bytes=e.master_bytes,
                        resident_bytes=e.resident_bytes, budget=e.budget_note, torn=e.torn,
                        exposed_copy_wait_s=sorted(exposed)[len(exposed) // 2] if exposed else None)

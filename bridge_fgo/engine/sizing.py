@@ -23,9 +23,12 @@ MAX_CHUNK_MB = 1024
 STEP_MB = 32  # the sizes tried, from the cap down
 
 
-def choose(window_of: Callable[[int, int], Tuple[int, int]], first: FirstStep, total: int) -> Tuple[int, int, str]:
-    """(chunk bytes, slots, why). window_of(chunk_bytes, slots) -> (window bytes, largest chunk) of the
-    plan cut at that size; total: the bytes streamed each way."""
+WindowOf = Callable[[int, int], Tuple[int, int, int]]
+
+
+def choose(window_of: WindowOf, first: FirstStep, total: int) -> Tuple[int, int, str]:
+    """(chunk bytes, slots, why). window_of(chunk_bytes, slots) -> (window bytes, largest chunk, chunks)
+    of the plan cut at that size; total: the bytes streamed each way."""
     floor = FIRST_CHUNK_MB * MIB
     if not first.measured:
         return floor, 2, f"{FIRST_CHUNK_MB} MB: nothing measured (no GPU)"
@@ -43,13 +46,12 @@ def choose(window_of: Callable[[int, int], Tuple[int, int]], first: FirstStep, t
                      f"within {room / MIB:.0f} MiB of headroom; {first.describe()}")
 
 
-def slots(window_of: Callable[[int, int], Tuple[int, int]], first: FirstStep, size: int) -> int:
+def slots(window_of: WindowOf, first: FirstStep, size: int) -> int:
     """As many window slots of chunks of `size` as the headroom holds (two at least, one per chunk at
     most): with chunk_mb=auto and with a chunk_mb given, whose chunk size stays as given."""
     n = 2
     while first.measured:
-        window = window_of(size, n)[0]
-        if window_of(size, n + 1)[0] == window or not _fits(window_of, first, size, n + 1):
+        if n >= window_of(size, n)[2] or not _fits(window_of, first, size, n + 1):
             break  # every chunk has its slot, or one more would raise the peak
         n += 1
     window_of(size, n)
@@ -57,5 +59,5 @@ def slots(window_of: Callable[[int, int], Tuple[int, int]], first: FirstStep, si
 
 
 def _fits(window_of, first: FirstStep, size: int, n: int) -> bool:
-    window, largest = window_of(size, n)
+    window, largest, _ = window_of(size, n)
     return window + first.scratch(largest) <= first.headroom()

@@ -255,6 +255,9 @@ class CallSites:
         state = argument(self.index[name], "state", args, kwargs)
         if not (self.enabled and saves.watched(getattr(state, "cfg", None), self.options)):
             return wrapped(*args, **kwargs)
+        # the save waits for the last update's copies anyway; waiting first keeps the queued copies' views of
+        # the buffer out of the count taken before it
+        self.synchronize()
         sessions = self.registry.sessions()
         watch = saves.Watch([b for s in sessions for b in s.adapter.host_buffers()],
                             [t for s in sessions for t in s.adapter.host_tensors()])

@@ -90,6 +90,8 @@ class Watch:
                     "of the optimizer states to other memory (a view of it was pickled for a checkpoint worker "
                     "process, which moves the whole storage into shared memory): its pages are no longer pinned "
                     f"and the engine cannot unregister them. {FIX}")
+        if self.count is None:
+            return HELD  # cannot be counted: finished as if held (said once in after())
         if not self._held():
             return None
         gc.collect()  # views left in reference cycles by the save hold nothing anyone reads
@@ -105,20 +107,26 @@ class Watch:
         if HELD not in verdicts:
             return
         held = self._held()
-        once(("async-save-held",), logging.WARNING,
-             "%scfg.checkpoint.async_save: after Bridge's save_checkpoint returned, %s still held the optimizer "
-             "states' pinned host buffer (%s), so the next optimizer step would rewrite what the writer may not have "
-             "written yet: the save is finished before training goes on, as a synchronous one would be (on every "
-             "rank, every such save). %s", rank_prefix(),
-             "this rank's save" if held else "another rank's save",
-             f"{held} more reference(s) to it or its tensors than before" if held > 0 else "uncounted", FIX)
+        if held < 0:
+            once(("async-save-uncounted",), logging.WARNING,
+                 "%scfg.checkpoint.async_save: this torch cannot count what holds the optimizer states' pinned host "
+                 "buffer (torch._C._storage_Use_Count), so whether the writer still reads it after Bridge's "
+                 "save_checkpoint returns is unknown: every such save is finished before training goes on, as a "
+                 "synchronous one would be (on every rank). %s", rank_prefix(), FIX)
+        else:
+            once(("async-save-held",), logging.WARNING,
+                 "%scfg.checkpoint.async_save: after Bridge's save_checkpoint returned, %s still held the optimizer "
+                 "states' pinned host buffer%s, so the next optimizer step would rewrite what the writer may not have "
+                 "written yet: the save is finished before training goes on, as a synchronous one would be (on every "
+                 "rank, every such save). %s", rank_prefix(), "this rank's save" if held else "another rank's save",
+                 f" ({held} more reference(s) to it or its tensors than before)" if held else "", FIX)
         queue = getattr(state, "async_calls_queue", None)
         if queue is None:
             raise BridgeFGOError(f"{rank_prefix()}an asynchronous checkpoint save still holds the optimizer states' "
                                  f"host buffer and Bridge's state has no async_calls_queue to finish it. {FIX}")
         queue.maybe_finalize_async_calls(blocking=True)  # what Bridge's blocking finalize calls, on every rank
         left = self._held()
-        if left:
+        if left > 0:
             logger.warning("%s%s reference(s) to the optimizer states' host buffer or its tensors are still held "
                            "after the save was finished: not by the save; whoever holds them sees the next optimizer "
-                           "step's values", rank_prefix(), left if left > 0 else "uncounted")
+                           "step's values", rank_prefix(), left)

@@ -247,12 +247,12 @@ class StreamedEngine:
 
     def _window_at(self, chunk_bytes: int, slots: int = 2):
         """The plan cut into chunks of at most chunk_bytes, with a window of `slots` slots for them:
-        (window bytes, largest chunk). Between updates only (the old window's memory is retired after
+        (window bytes, largest chunk, chunks). Between updates only (the old window's memory is retired after
         its copies)."""
         self.plan.chunk_bytes, self.plan.slots = chunk_bytes, slots
         self.plan.cut()
         self.transfers.new_window()
-        return self.window_bytes, max((c.nbytes for c in self.chunks), default=0)
+        return self.window_bytes, max((c.nbytes for c in self.chunks), default=0), len(self.chunks)
 
     def _apply_budget(self, first) -> None:
         """Keep resident as many bundles as fit under the budget."""

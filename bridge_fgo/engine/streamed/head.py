@@ -19,9 +19,9 @@ unusual sizes back to back). A curve that cannot be read turns the head off, wit
 trace lost markers (cut short), the hooks do not fire the same number of times in every microbatch (a
 parameter without a gradient in some), someone records memory history already, or the allocator
 offers no trace. Each later step checks that it
-follows the curve: at hook k, what is allocated outside the head must be what the first step
-measured there (within the margin), else that step prefetches no more; a step whose hook count is not
-the first step's turns the head off.
+follows the curve: at hook k, where more is allocated outside the head than the first step had there
+(beyond the margin), that step prefetches no more; a step whose hook count is not the first step's
+turns the head off; a step of another number of microbatches (a batch-size ramp) prefetches nothing.
 """
 from __future__ import annotations
 
@@ -89,7 +89,9 @@ def read_curve(trace, samples: List[int], end: int, microbatches: int) -> Tuple[
     if len(marks) != len(samples):
         return None, (f"the allocator's trace holds {len(marks)} of the {len(samples)} hooks' markers: it was cut "
                       "short or missed events")
-    if not marks or microbatches < 1 or len(marks) % microbatches:
+    if microbatches < 1:
+        return None, "the number of microbatches is unknown (Megatron-Core's microbatch calculator is not set up)"
+    if not marks or len(marks) % microbatches:
         return None, (f"the gradient hooks fired {len(marks)} times in {microbatches} microbatch(es): not the same "
                       "number in every backward")
     per = len(marks) // microbatches
@@ -129,7 +131,8 @@ class Head:
         self.stopped = False  # this step left the curve: no more prefetching
         self.microbatches = 0
         self._samples: List[int] = []  # the measured step: allocated at each hook, before its marker
-        self.prefetched: List[int] = []  # per step: chunks whose copy began in the last backward
+        self.prefetched: Optional[int] = None  # the last step's chunks whose copy began in its last backward
+        self._said_shape: set = set()  # microbatch counts already said to differ from the measured step's
         self.step_note: dict = {}  # this step's: the most room seen, where it left the curve
         self.last_note: dict = {}
 
@@ -154,6 +157,7 @@ class Head:
                             self._handles.append(p.register_post_accumulate_grad_hook(fired))
 
     def detach(self) -> None:
+        self._stop_recording()
         for h in self._handles:
             h.remove()
         self._handles = []
@@ -175,18 +179,33 @@ class Head:
         self.hook, self.in_step, self.stopped = 0, True, False
         self.step_note = {}
         self.microbatches = _microbatches()
+        if self.state == "measuring":  # the measured step never reached gradient finalization: measure anew
+            self._stop_recording()
         if self.state == "on" and self.microbatches != self.curve.microbatches:
             self.stopped = True  # a batch-size ramp: not the measured step's shape
-        if measure and self.state == "off" and self.why_off is None and self.attached:
-            self._start_trace()
+            self.step_note["microbatches"] = self.microbatches
+            if self.microbatches not in self._said_shape:
+                self._said_shape.add(self.microbatches)
+                logger.info("%sno prefetch during backward in steps of %d microbatch(es): the curve was measured in "
+                            "a step of %d (a batch-size ramp?); steps of %d prefetch again", rank_prefix(),
+                            self.microbatches, self.curve.microbatches, self.curve.microbatches)
+        if measure and self.state == "off" and self.why_off is None:
+            if self.attached:
+                self._start_trace()
+            else:
+                self.off("no parameter the optimizers update takes a gradient-accumulation hook")
 
     def end_step(self) -> Optional[Curve]:
         """Gradient finalization (reload): the measured step's curve is read; a later step's count checked."""
         self.in_step = False
         if self.state == "measuring":
-            return self._end_trace()
+            try:
+                return self._end_trace()
+            except Exception as exc:  # never fail the training step for the measurement
+                self.off(f"reading the allocator's trace failed ({type(exc).__name__}: {exc})")
+                return None
         if self.state == "on":
-            self.prefetched.append(len(self.transfers.started))
+            self.prefetched = len(self.transfers.started)
             self.last_note = self.step_note
             if self.hook != self.curve.hooks and not self.stopped:
                 self.off(f"a step fired the gradient hooks {self.hook} times, the first step {self.curve.hooks}")
@@ -224,8 +243,10 @@ class Head:
             elif self.state == "on" and not self.stopped and k >= self.curve.first:
                 self._prefetch(k - self.curve.first)
         except Exception as exc:  # inside autograd: never fail the training's backward for a prefetch
-            logger.warning("%sprefetch during backward failed (%s: %s); the update copies its chunks in itself "
-                           "from here on", rank_prefix(), type(exc).__name__, exc)
+            what = "measuring backward's memory" if self.state == "measuring" else "prefetch during backward"
+            self._stop_recording()
+            logger.warning("%s%s failed (%s: %s); the update copies its chunks in itself from here on",
+                           rank_prefix(), what, type(exc).__name__, exc)
             self.why_off = self.why_off or f"it failed: {type(exc).__name__}"
             self.state, self.curve, self.stopped = "off", None, True
 
@@ -267,11 +288,16 @@ class Head:
         self.state = "measuring"
 
     def _stop_recording(self) -> None:
+        """End the measured step's recording (never raises: its callers are failure paths too)."""
         if self.state == "measuring":
-            import torch
-
-            torch.cuda.memory._record_memory_history(enabled=None)
             self.state = "off"
+            try:
+                import torch
+
+                torch.cuda.memory._record_memory_history(enabled=None)
+            except Exception as exc:
+                logger.warning("%sending the allocator's event recording failed (%s: %s)", rank_prefix(),
+                               type(exc).__name__, exc)
 
     def _end_trace(self) -> Optional[Curve]:
         import torch
@@ -297,9 +323,11 @@ class Head:
                 f"chunk(s) come in early, by the curve the first step measured ({c.hooks // c.microbatches} hooks a "
                 f"backward, allocated {c.at[0] / gib:.2f} -> {c.at[-1] / gib:.2f} GiB, at most "
                 f"{(self.limit - c.ahead[-1]) / gib:.2f} GiB of room under {self.limit / gib:.2f} GiB)")
-        if self.prefetched:
+        if self.prefetched is not None:
             n = self.last_note
-            text += f"; the last step: {self.prefetched[-1]} chunk(s)"
+            text += f"; the last step: {self.prefetched} chunk(s)"
+            if "microbatches" in n:
+                text += f" (a step of {n['microbatches']} microbatch(es), not the measured {c.microbatches})"
             if "room" in n:
                 text += f", room up to {n['room'] / gib:.2f} GiB"
             if "left" in n:

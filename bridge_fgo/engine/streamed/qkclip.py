@@ -25,8 +25,10 @@ as the whole weight (_clip_linear_qkv) and copies the 2-D result into it, but th
 optimizer's master is a flat shard, so as soon as a head's max logit exceeds qk_clip_threshold it raises
 (RuntimeError, part of the master already scaled), with or without offload; a rank without a shard of
 the weight (or the precision-aware optimizer) has main_param None (AttributeError). An error in a pass
-ends the clipping, as Megatron-Core's loop ends, the update completes, and the same exception is raised
-where Bridge calls clip_qk. An error of Megatron-Core's clip_qk at finalization waits there too.
+ends the clipping, as Megatron-Core's loop ends, the update completes, and the exception is raised
+where Bridge calls clip_qk. The passes follow the chunks, not clip_qk's layer order: which layer raises
+first (and which were scaled before it) may differ from the run without offload, which fails as well.
+An error of Megatron-Core's clip_qk at finalization waits there too.
 """
 from __future__ import annotations
 
