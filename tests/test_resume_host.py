@@ -212,3 +212,44 @@ def test_the_load_call_site_prepares_the_engine_before_bridges_load(train_module
     assert (seen["states"] > 0) == load_optim  # a model-only load: made after it, from the loaded weights
     assert engine.on_host() and all(len(inner.state[p]) for g in inner.param_groups for p in g["params"])
     bridge_fgo.unpatch()
+
+
+def test_a_load_makes_the_states_of_parameters_that_stay_on_the_gpu_on_the_host():
+    """TE holding the masters (int16 remainders here) steps the model's own bf16 shard, which stays on
+    the GPU: its load_state_dict makes every state anew where that parameter is, and torch's casts the
+    loaded states there first. During the load each such parameter is presented as an untouched host
+    tensor of its shape, so both are made on the host; its own storage is back when the load returns,
+    and when it raises."""
+    opt = make(**CASES["te-precision-aware-remainders"])
+    engine = StreamedEngine([opt], 2000)
+    engine.prepare()
+    inner = opt.optimizer
+    params = [p for g in inner.param_groups for p in g["params"]]
+    before = [(p.data_ptr(), p.clone()) for p in params]
+    buffer = engine.buffer.tensor
+    low, high = buffer.data_ptr(), buffer.data_ptr() + buffer.numel() * buffer.element_size()
+    assert not any(low <= ptr < high for ptr, _ in before)  # the model's shards: not in the pinned buffer
+    seen = []
+    cls = type(inner)
+    original = cls.load_state_dict
+
+    def spy(self, state_dict, fail=False):
+        seen.append([p.data_ptr() for p in params])
+        original(self, state_dict)
+        seen.append([id(s) for p in params for s in self.state[p].values()])
+        if fail:
+            raise RuntimeError("a load that fails (a stand-in)")
+
+    saved = copy.deepcopy(inner.state_dict())
+    cls.load_state_dict = spy
+    try:
+        inner.load_state_dict(saved)
+        assert not set(seen[0]) & {ptr for ptr, _ in before}  # presented elsewhere during the load
+        assert all(p.data_ptr() == ptr and p.equal(value) for p, (ptr, value) in zip(params, before))
+        assert engine.on_host()  # every new state taken into its host view
+        with pytest.raises(RuntimeError, match="a stand-in"):
+            inner.load_state_dict(saved, fail=True)
+        assert all(p.data_ptr() == ptr for p, (ptr, _) in zip(params, before))
+    finally:
+        cls.load_state_dict = original
+        engine.close()

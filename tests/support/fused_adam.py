@@ -91,8 +91,9 @@ class TEFusedAdam(torch.optim.Optimizer):
         return state
 
     def set_scaled_state(self, param, name, unscaled):
-        if name not in self.state[param]:
-            self._initialize_state(param, name, False, self.store_param_remainders and param.dtype == torch.bfloat16)
+        if name not in self.state[param]:  # (TE: remainders only for the master of a bf16 parameter)
+            self._initialize_state(param, name, False, self.store_param_remainders and name == "master_param"
+                                   and param.dtype == torch.bfloat16)
         dtype = self.name_to_dtype_map[name]
         if dtype != torch.float32:
             self._apply_scale(name, unscaled, self.state[param][name], self._scales[param][name])

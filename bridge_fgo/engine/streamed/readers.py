@@ -11,6 +11,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import weakref
@@ -19,6 +20,7 @@ from typing import Callable, Optional
 from ...errors import BridgeFGOError
 from ...log import logger, rank_prefix
 from .. import update as subset
+from ..tensors import MASTER
 from .plan import Plan
 from .transfers import Transfers
 
@@ -146,10 +148,40 @@ class Readers:
         through it (sharded_state_dict with is_loading): so the load writes into the pinned buffer."""
         inner = inner_ref()
         self.plan.writes += 1  # the load writes the masters (here, or in the same DistributedOptimizer load)
-        result = prior(*args, **kwargs) if prior is not None else type(inner).load_state_dict(inner, *args, **kwargs)
+        with self._params_on_host(inner):
+            result = (prior(*args, **kwargs) if prior is not None
+                      else type(inner).load_state_dict(inner, *args, **kwargs))
         if self.transfers.buffer is not None:
             self.transfers.take_all()
         return result
+
+    @contextlib.contextmanager
+    def _params_on_host(self, inner):
+        """During the inner optimizer's load, each of its parameters that stays on the GPU and whose
+        states move (the model's own shard: TE holding the masters, an fp32 parameter) is presented as
+        an untouched host tensor of its shape: torch's load_state_dict casts the loaded states to the
+        parameter's device, and Transformer Engine makes its states there (empty_like), so both are made
+        on the host instead of the GPU, and taken into their views right after. Nothing reads the
+        parameter's values during a load; its own storage is back when the load returns or raises."""
+        import torch
+
+        swapped = []
+        try:
+            if self.transfers.buffer is not None:
+                for part in self.plan.parts:
+                    if part.inner is not inner:
+                        continue
+                    for bundle in part.bundles:
+                        p = bundle.param
+                        if bundle.resident or any(e.kind == MASTER for e in bundle.entries):
+                            continue  # kept on the GPU on purpose, or a master: bound to its host view
+                        swapped.append((p, p.data))
+                        # (pages never touched are never committed: this costs no host memory)
+                        p.data = torch.empty(p.shape, dtype=p.dtype, device="cpu")
+            yield
+        finally:
+            for p, data in swapped:
+                p.data = data
 
     def _reload_model_params(self, opt_ref, prior, *args, **kwargs):  # through _hook
         """Megatron-Core's reload_model_params (Bridge calls it after a load without optimizer state:
