@@ -9,6 +9,7 @@ Failures are injected where they happen on a GPU: the wait for a chunk's copy, i
 device-to-host copy after it, a step hook, the wait for the tail, a guarded reader.
 """
 import copy
+import gc
 import logging
 import os
 from unittest import mock
@@ -279,6 +280,26 @@ def test_unpatch_of_a_torn_run_warns_and_saves_stay_refused_until_a_load(caplog,
     opt.load_parameter_state_from_dp_reshardable(saved)  # a load, after unpatch too
     assert "state_dict" not in opt.__dict__ and "step" not in opt.optimizer.__dict__
     opt.get_parameter_state_dp_reshardable()
+
+
+def test_the_guards_of_torn_states_need_no_engine():
+    """A torn run's guards stay on the optimizer after unpatch(), and the engine may be gone by then:
+    the guards' wait for copies (the engine's synchronize, held weakly) then does nothing."""
+    from bridge_fgo.engine.streamed import engine as engine_mod
+
+    class Held:
+        calls = 0
+
+        def synchronize(self):
+            Held.calls += 1
+
+    held = Held()
+    call = engine_mod._weakly(held.synchronize)
+    call()
+    del held
+    gc.collect()
+    call()  # no engine: nothing to wait for, no error
+    assert Held.calls == 1
 
 
 # -- the device-to-host tail, and guarded readers --------------------------------------------------------------

@@ -340,3 +340,17 @@ def test_a_step_of_another_microbatch_count_prefetches_nothing_and_says_so_once(
     said = [m for m in caplog.messages if "no prefetch during backward in steps of 2 microbatch(es)" in m]
     assert len(said) == 1 and engine.head.state == "on" and engine.head.prefetched > 0
     assert_same(snapshot(base), snapshot(opt))
+
+
+def test_a_curve_read_at_a_failed_steps_exit_is_never_enabled(monkeypatch):
+    """Forward-backward raised in the measured step: train_step's exit still reaches gradient
+    finalization's site, which reads a curve of part of a backward. No update followed, so the next
+    step drops it and measures anew."""
+    rec = FakeRecorder(monkeypatch)
+    monkeypatch.setattr(head_mod, "_microbatches", lambda: 1)
+    engine = engine_for(make(), 600)
+    engine.head.curve, engine.head.state = Curve(at=[0], ahead=[0], first=0, hooks=1, microbatches=1), "measured"
+    engine.head.begin_step(measure=True)
+    assert engine.head.curve is None and engine.head.state == "measuring" and rec.calls == ["all"]
+    engine.head.enable(10**9)
+    assert engine.head.state == "measuring"  # nothing to enable

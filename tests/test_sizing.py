@@ -162,4 +162,49 @@ def test_a_given_chunk_mb_keeps_its_size_and_takes_the_slots_the_headroom_holds(
             assert_same(snapshot(base), snapshot(opt))
     assert [c.nbytes for c in engine.chunks] == cut and engine.plan.chunk_bytes == 600
     assert engine.plan.slots == len(cut) and engine.window_bytes == sum(cut)
-    assert "as chunk_mb gives" in engine.window_note and f"{len(cut)} slots" in engine.window_note
+    assert "as chunk_mb gives" in engine.window_note and f"{len(cut)} slots within the headroom" in engine.window_note
+
+
+def test_a_given_chunk_mb_without_headroom_keeps_two_slots_and_says_they_exceed_it(small_units):
+    opt = make()
+    engine = engine_for(opt, 600)
+    engine.probe = measured(before=GIB, backward=GIB, base=GIB, step=GIB)  # the step added nothing: no room
+    step(opt, engine)
+    assert engine.plan.slots == 2 and "2 slots (the least: even two exceed the headroom)" in engine.window_note
+
+
+def test_a_budget_that_fails_half_way_leaves_whole_bundles_and_stays_exact(small_units):
+    """Out of GPU memory while the budget moves states back: the bundles moved whole stay resident, the
+    one it failed in goes back to its host views whole, the chunks are cut from what is not resident,
+    and training that goes on (the exception caught, a restart in process) stays exact."""
+    base, opt = make(), make()
+    full = engine_for(make()).bytes
+    engine = StreamedEngine([opt], 256, GIB + 64 * MIB + full, auto=True)  # room for every state
+    engine.prepare()
+    engine.probe = measured(before=0, backward=GIB, base=1024, step=GIB)
+    real, calls = engine.transfers.to_device, []
+
+    def to_device(part, b, e):
+        calls.append(e)
+        if len(calls) == 5:  # inside the second bundle (each has a master and two moments)
+            raise RuntimeError("CUDA out of memory (a stand-in)")
+        real(part, b, e)
+
+    engine.transfers.to_device = to_device
+    step(base)
+    with pytest.raises(RuntimeError, match="a stand-in"):
+        step(opt, engine)
+    engine.transfers.to_device = real
+    bundles = [bd for part in engine.parts for bd in part.bundles]
+    resident = [bd for bd in bundles if bd.resident]
+    assert len(resident) == 1 and resident[0].entries[0] is calls[0]
+    streamed = {id(bd) for c in engine.chunks for bd in c.bundles}
+    assert all((id(bd) in streamed) != bd.resident for bd in bundles)
+    part = engine.parts[0]
+    assert all(part.bindings.get(e).data_ptr() == e.host.data_ptr()
+               for bd in bundles if not bd.resident for e in bd.entries)
+    assert_same(snapshot(base), snapshot(opt))  # the step itself was whole before the budget ran
+    for _ in range(2):
+        step(base)
+        step(opt, engine)
+        assert_same(snapshot(base), snapshot(opt))

@@ -170,10 +170,6 @@ class Window:
         self.slots = [_Slot(n) for n in sizes]
 
     @property
-    def nbytes(self) -> int:
-        return sum(s.nbytes for s in self.slots)
-
-    @property
     def held(self) -> int:
         """Bytes allocated now."""
         return sum(s.nbytes for s in self.slots if s.tensor is not None)

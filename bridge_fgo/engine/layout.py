@@ -127,10 +127,6 @@ def window_sizes(chunks: Sequence[Chunk], slots: int = 2) -> List[int]:
     return sizes
 
 
-def window_bytes(chunks: Sequence[Chunk], slots: int = 2) -> int:
-    return sum(window_sizes(chunks, slots))
-
-
 def keep_resident(bundles: Sequence[Bundle], room: int) -> List[Bundle]:
     """The bundles to keep on the GPU within `room` bytes: the largest first (each kept bundle saves
     its bytes both ways every step, and the largest ones also set the window)."""

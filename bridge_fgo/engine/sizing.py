@@ -36,9 +36,9 @@ def choose(window_of: WindowOf, first: FirstStep, total: int) -> Tuple[int, int,
         return floor, 2, f"{FIRST_CHUNK_MB} MB: the states fit in one chunk"
     room = first.headroom()
     size = max(floor, min(MAX_CHUNK_MB * MIB, total))
-    while size > floor and not _fits(window_of, first, size, 2):
+    while size > floor and not fits(window_of, first, size, 2):
         size = max(floor, size - STEP_MB * MIB)
-    if size == floor and not _fits(window_of, first, size, 2):
+    if size == floor and not fits(window_of, first, size, 2):
         return floor, 2, (f"{FIRST_CHUNK_MB} MB, the least: a larger window would raise the peak "
                           f"({room / MIB:.0f} MiB of headroom); {first.describe()}")
     n = slots(window_of, first, size)
@@ -51,13 +51,14 @@ def slots(window_of: WindowOf, first: FirstStep, size: int) -> int:
     most): with chunk_mb=auto and with a chunk_mb given, whose chunk size stays as given."""
     n = 2
     while first.measured:
-        if n >= window_of(size, n)[2] or not _fits(window_of, first, size, n + 1):
+        if n >= window_of(size, n)[2] or not fits(window_of, first, size, n + 1):
             break  # every chunk has its slot, or one more would raise the peak
         n += 1
     window_of(size, n)
     return n
 
 
-def _fits(window_of, first: FirstStep, size: int, n: int) -> bool:
+def fits(window_of: WindowOf, first: FirstStep, size: int, n: int) -> bool:
+    """Whether a window of n slots of chunks of `size`, and the optimizer's scratch, fit the headroom."""
     window, largest, _ = window_of(size, n)
     return window + first.scratch(largest) <= first.headroom()

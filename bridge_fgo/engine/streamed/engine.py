@@ -1,5 +1,5 @@
 """StreamedEngine: the streamed step's call sites, in the order train_step reaches them, over its
-four parts (plan.py, transfers.py, update.py, readers.py).
+parts (plan.py, transfers.py, update.py, readers.py; norms.py, qkclip.py and head.py beside them).
 
 One StreamedEngine per optimizer as train_step sees it (a DistributedOptimizer, or Megatron-Core's
 ChainedOptimizer of several): one host buffer and one GPU window for the whole chain, so the window
@@ -38,9 +38,16 @@ MIB = 2**20
 
 
 def _weakly(method):
-    """`method` (bound to the engine) callable without keeping the engine alive."""
+    """`method` (bound to the engine) callable without keeping the engine alive; once the engine is
+    gone, a call does nothing (its close() waited for every copy). Torn states' guards outlive it."""
     ref = weakref.WeakMethod(method)
-    return lambda: ref()()
+
+    def call():
+        bound = ref()
+        if bound is not None:
+            bound()
+
+    return call
 
 
 class StreamedEngine:
@@ -160,8 +167,12 @@ class StreamedEngine:
         if self.update.armed or self.transfers.buffer is None:
             return 0
         self.copies.collect()
-        if not self.on_host():
-            self.offload()
+        if not self.on_host():  # no offload() this step: adopt now (no step of the probe or the head begins)
+            if self.transfers.started:
+                self.transfers.close_window()
+            if self.torn is not None:
+                raise self.readers.refusal("an optimizer step")
+            self.transfers.adopt()
             self.release()
         self.readers.drop_guards()  # the update's own copies are ordered after the tail on the GPU
         self.head.end_step()
@@ -235,7 +246,10 @@ class StreamedEngine:
             else:  # the chunk size as given; the slots as the headroom allows
                 size = self.plan.chunk_bytes
                 slots = sizing.slots(self._window_at, first, size)
-                why = f"{size / MIB:.0f} MB as chunk_mb gives, {slots} slots within the headroom; {first.describe()}"
+                fits = sizing.fits(self._window_at, first, size, slots)
+                why = (f"{size / MIB:.0f} MB as chunk_mb gives, {slots} slots "
+                       f"{'within the headroom' if fits else '(the least: even two exceed the headroom)'}; "
+                       f"{first.describe()}")
             self._window_at(size, slots)
             self.window_note = (f"window sized from the first step: {why}. {len(self.chunks)} chunk(s), the step adds "
                                 f"at most {self.window_bytes} bytes on the GPU")
@@ -264,18 +278,27 @@ class StreamedEngine:
             logger.warning("%s%s", rank_prefix(), self.budget_note)
             return
         self.synchronize()
-        for bundle in kept:
-            part = self.parts[bundle.part]
-            b = part.bindings
-            for e in bundle.entries:
-                if not e.dropped and b.get(e) is not None:
-                    self.transfers.to_device(part, b, e)
-            bundle.resident = True
-        self._window_at(self.plan.chunk_bytes, self.plan.slots)
+        try:
+            for bundle in kept:
+                part = self.parts[bundle.part]
+                b = part.bindings
+                moved = []
+                try:
+                    for e in bundle.entries:
+                        if not e.dropped and b.get(e) is not None:
+                            self.transfers.to_device(part, b, e)
+                            moved.append(e)
+                except BaseException:  # (out of GPU memory): this bundle goes back whole, the others stay
+                    for e in moved:
+                        self.transfers.take(part, b, e, b.get(e))
+                    raise
+                bundle.resident = True  # only once all of it is on the GPU
+        finally:
+            self._window_at(self.plan.chunk_bytes, self.plan.slots)  # the chunks: what is not resident
         self.budget_note = (f"gpu_budget_gib {self.budget_bytes / GiB:.2f} GiB, {basis}: "
                             f"{len(kept)} parameter(s) keep their states on the GPU "
                             f"({self.resident_bytes / GiB:.2f} GiB), {self.bytes / GiB:.2f} GiB move each way per "
-                            f"step in {len(self.chunks)} chunk(s)")
+                            "step")
         logger.info("%s%s", rank_prefix(), self.budget_note)
 
     # -- after training ---------------------------------------------------------------------------

@@ -181,6 +181,8 @@ class Head:
         self.microbatches = _microbatches()
         if self.state == "measuring":  # the measured step never reached gradient finalization: measure anew
             self._stop_recording()
+        elif self.state == "measured":  # read at a step's exit, but no update followed it: a partial curve
+            self.state, self.curve = "off", None
         if self.state == "on" and self.microbatches != self.curve.microbatches:
             self.stopped = True  # a batch-size ramp: not the measured step's shape
             self.step_note["microbatches"] = self.microbatches

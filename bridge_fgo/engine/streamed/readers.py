@@ -173,8 +173,11 @@ class Readers:
                         continue
                     for bundle in part.bundles:
                         p = bundle.param
-                        if bundle.resident or any(e.kind == MASTER for e in bundle.entries):
-                            continue  # kept on the GPU on purpose, or a master: bound to its host view
+                        if (bundle.resident or not bundle.entries
+                                or any(e.kind == MASTER or e.dropped for e in bundle.entries)):
+                            # kept on the GPU on purpose; a master (bound to its host view); nothing
+                            # that moves, or a state left where the optimizer made it: made there again
+                            continue
                         swapped.append((p, p.data))
                         # (pages never touched are never committed: this costs no host memory)
                         p.data = torch.empty(p.shape, dtype=p.dtype, device="cpu")

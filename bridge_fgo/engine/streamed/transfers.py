@@ -242,22 +242,22 @@ class Transfers:
             at.append(aligned(end, e.nbytes))
             end = at[-1] + e.nbytes
         scratch = torch.empty(end, dtype=torch.uint8, device=self.device)
-        after = [self.copies.compute_event(), self.tail]
-        views, done = [], None
-        for e, start in zip(entries, at):
-            view = scratch[start:start + e.nbytes].view(e.dtype).view(e.shape)
-            done = self.copies.copy("h2d", view, e.host, after)
-            views.append((e, view))
-        self.copies.compute_wait(done)
-        priors = []
-        try:
+        views, priors = [], []
+        try:  # from here the scratch may have copies queued: retired (never freed under them) in any case
+            after = [self.copies.compute_event(), self.tail]
+            done = None
+            for e, start in zip(entries, at):
+                view = scratch[start:start + e.nbytes].view(e.dtype).view(e.shape)
+                done = self.copies.copy("h2d", view, e.host, after)
+                views.append((e, view))
+            self.copies.compute_wait(done)
             if write_back:
                 for e, view in views:
                     priors.append(e.param.data)
                     e.param.data = view
             yield views
         finally:
-            if write_back:
+            if write_back and priors:
                 after = [self.copies.compute_event()]
                 for (e, view), prior in zip(views, priors):
                     self.tail = self.copies.copy("d2h", e.host, view, after)
