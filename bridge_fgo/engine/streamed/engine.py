@@ -271,7 +271,8 @@ class StreamedEngine:
     def _apply_budget(self, first) -> None:
         """Keep resident as many bundles as fit under the budget."""
         kept = budget.choose([bd for part in self.parts for bd in part.bundles], self.budget_bytes, first)
-        basis = f"the run's allocated peak with everything offloaded {budget.peak(first) / GiB:.2f} GiB"
+        basis = (f"the run's allocated peak with everything offloaded {budget.peak(first) / GiB:.2f} GiB"
+                 if first.measured else "nothing measured (no GPU)")
         if kept is None:
             self.budget_note = (f"gpu_budget_gib {self.budget_bytes / GiB:.2f} GiB cannot be met: {basis}; "
                                 "everything stays offloaded")
