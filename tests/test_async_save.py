@@ -65,8 +65,8 @@ def writers():
     queues = {}
     try:  # (a failure here must not leave the process group to the next test files)
         # nvidia-resiliency-ext 0.6 hands CPU tensors to its worker through /dev/shm when asked; 0.4.1
-        # (Bridge 0.3.1's) has no such mode and pickles them as torch.multiprocessing does
-        shm = {"cpu_shm_mode": True} if "cpu_shm_mode" in inspect.signature(NvrxQueue).parameters else {}
+        # (Bridge 0.3.1's) has no such mode. (The class's own signature is a wrapper's: *args, **kwargs)
+        shm = {"cpu_shm_mode": True} if "cpu_shm_mode" in inspect.signature(NvrxQueue.__init__).parameters else {}
         if _SAVE_TAKES_STRATEGY:
             queues["nvrx"] = NvrxQueue(persistent=True, **shm)
         queues["mcore"] = McoreQueue(persistent=False)
