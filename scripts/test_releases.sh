@@ -22,14 +22,18 @@ for rel in "${releases[@]}"; do
     summary+=("$rel: FAILED to set up its environment"); failed=1; continue
   fi
   log=$(mktemp)
-  # the venv's own console scripts (bridge-fgo, bridge-fgo-run, torchrun) are what the tests run
-  "$root/$REL_VENV/bin/python" -m pytest "$@" 2>&1 | tee "$log"
+  # the venv's own console scripts (bridge-fgo, bridge-fgo-run, torchrun) are what the tests run. A suite
+  # that hangs is stopped after TEST_TIMEOUT_S (SIGABRT: pytest's faulthandler prints where each thread
+  # waits), so the other releases still run and CI fails with the place, not at its own limit
+  timeout --signal=ABRT --kill-after=30 "${TEST_TIMEOUT_S:-1800}" "$root/$REL_VENV/bin/python" -m pytest "$@" 2>&1 \
+    | tee "$log"
   rc=${PIPESTATUS[0]}
   counts=$(grep -E '^=*.* in [0-9.]+s' "$log" | tail -n 1 | sed -E 's/^=+ //; s/ =+$//')
   rm -f "$log"
   case $rc in
     0) verdict=ok ;;
     5) verdict="FAILED (no tests ran)"; failed=1 ;;
+    124|137) verdict="FAILED (stopped after ${TEST_TIMEOUT_S:-1800} s: a hang? the traceback is above)"; failed=1 ;;
     *) verdict="FAILED (pytest exit $rc)"; failed=1 ;;
   esac
   summary+=("$rel: $verdict: ${counts:-no summary}; $((SECONDS - start)) s with set-up")
