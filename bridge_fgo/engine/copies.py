@@ -50,8 +50,12 @@ class DeviceCopies:
             done.record(stream)
         return done
 
-    def compute_wait(self, ev) -> None:
-        """The compute stream waits for `ev`; how long it stalled is measured (timing events)."""
+    def compute_wait(self, ev, timed: bool = True) -> None:
+        """The compute stream waits for `ev`; how long it stalled is measured (timing events) when
+        `timed`: an update's waits are its exposed copy time, a reader's between steps are not."""
+        if not timed:
+            self.torch.cuda.current_stream().wait_event(ev)
+            return
         before = self.torch.cuda.Event(enable_timing=True)
         after = self.torch.cuda.Event(enable_timing=True)
         before.record()
@@ -121,7 +125,10 @@ class DeferredCopies:
             ops[self._next[ev.queue]] = None  # done: drop the references
             self._next[ev.queue] += 1
 
-    compute_wait = host_wait = _run
+    host_wait = _run
+
+    def compute_wait(self, ev, timed: bool = True) -> None:
+        self._run(ev)
 
     def host_wait_all(self) -> None:
         for q, ops in self._ops.items():

@@ -250,7 +250,7 @@ class Transfers:
                 view = scratch[start:start + e.nbytes].view(e.dtype).view(e.shape)
                 done = self.copies.copy("h2d", view, e.host, after)
                 views.append((e, view))
-            self.copies.compute_wait(done)
+            self.copies.compute_wait(done, timed=False)  # between steps: no update's exposed wait
             if write_back:
                 for e, view in views:
                     priors.append(e.param.data)
