@@ -282,6 +282,29 @@ def test_unpatch_of_a_torn_run_warns_and_saves_stay_refused_until_a_load(caplog,
     opt.get_parameter_state_dp_reshardable()
 
 
+def test_a_save_of_the_model_only_is_refused_while_torn_and_served_after_a_load():
+    """Torn states mean torn model weights (each chunk's pass copies its masters into the model): Bridge's
+    save_checkpoint is refused before it writes anything, with save_optim=False too, until a load."""
+    from bridge_fgo.instrument import patcher, targets
+
+    bridge_fgo.patch(offload="builtin", chunk_mb=1)
+    r = readable_rig()
+    harness.run_steps(r, steps=2)
+    saved = checkpoint(r.dist_optimizer)
+    _, engine = engine_of()
+    with injected("in", 2, engine), pytest.raises(bridge_fgo.BridgeFGOError, match="failed in chunk 3 of 5"):
+        harness.run_steps(r, steps=1)
+    site = patcher._current.callsites.site(targets.target("save_checkpoint"))
+    written = []
+    model_only = lambda state: written.append(state)  # noqa: E731 (Bridge's save, save_optim=False)
+    with pytest.raises(bridge_fgo.BridgeFGOError, match="a checkpoint save .*refused: .*chunk 3 of 5.*resume from"):
+        site(model_only, None, (r.global_state,), {})
+    assert written == []
+    r.dist_optimizer.load_parameter_state_from_dp_reshardable(saved)  # a load makes the states whole
+    site(model_only, None, (r.global_state,), {})
+    assert written == [r.global_state]
+
+
 def test_the_guards_of_torn_states_need_no_engine():
     """A torn run's guards stay on the optimizer after unpatch(), and the engine may be gone by then:
     the guards' wait for copies (the engine's synchronize, held weakly) then does nothing."""

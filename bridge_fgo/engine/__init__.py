@@ -115,6 +115,10 @@ class BuiltinAdapter:
     def close(self) -> None:
         self.engine.close()
 
+    def refuse_save(self) -> None:
+        if self.chunk_mb and self.engine.torn is not None:
+            raise self.engine.readers.refusal("a checkpoint save (the model weights are torn too)")
+
     def host_buffers(self) -> List[object]:
         buf = self.engine.buffer if self.chunk_mb else None
         return [buf] if buf is not None else []

@@ -250,9 +250,13 @@ class CallSites:
             peaks.note("checkpoint load")
 
     def save_checkpoint(self, name, wrapped, instance, args, kwargs):
-        """A checkpoint save: an asynchronous one under the streamed step is watched, so that no writer
-        reads the pinned host buffer once the save call has returned (saves.py)."""
+        """A checkpoint save: refused while the streamed step's states are torn (the model's weights too,
+        so a save of the model only as well); an asynchronous one under the streamed step is watched, so
+        that no writer reads the pinned host buffer once the save call has returned (saves.py)."""
         state = argument(self.index[name], "state", args, kwargs)
+        if self.enabled:  # torn states: no save, of the optimizer or of the model only (its weights are torn)
+            for session in self.registry.sessions():
+                session.adapter.refuse_save()
         if not (self.enabled and saves.watched(getattr(state, "cfg", None), self.options)):
             return wrapped(*args, **kwargs)
         # the save waits for the last update's copies anyway; waiting first keeps the queued copies' views of

@@ -73,6 +73,10 @@ class Adapter:
         the adapter closed (the next train() decides afresh); False if it keeps what it needs."""
         return False
 
+    def refuse_save(self) -> None:
+        """A checkpoint save is about to run: raise BridgeFGOError where what it would write is not whole
+        (the streamed step's torn states: model weights too, so a save of the model only as well)."""
+
     def host_buffers(self) -> List[object]:
         """The pinned host buffers (hostmem.PinnedHost) the states live in between steps, which a
         checkpoint writer may read; none where the states are on the GPU between steps."""
