@@ -253,16 +253,17 @@ class CallSites:
         """A checkpoint save: refused while the streamed step's states are torn (the model's weights too,
         so a save of the model only as well); an asynchronous one under the streamed step is watched, so
         that no writer reads the pinned host buffer once the save call has returned (saves.py)."""
+        if not self.enabled:
+            return wrapped(*args, **kwargs)
+        sessions = self.registry.sessions()
+        for session in sessions:  # torn states: no save, of the optimizer or of the model only (its weights are torn)
+            session.adapter.refuse_save()
         state = argument(self.index[name], "state", args, kwargs)
-        if self.enabled:  # torn states: no save, of the optimizer or of the model only (its weights are torn)
-            for session in self.registry.sessions():
-                session.adapter.refuse_save()
-        if not (self.enabled and saves.watched(getattr(state, "cfg", None), self.options)):
+        if not saves.watched(getattr(state, "cfg", None), self.options):
             return wrapped(*args, **kwargs)
         # the save waits for the last update's copies anyway; waiting first keeps the queued copies' views of
         # the buffer out of the count taken before it
         self.synchronize()
-        sessions = self.registry.sessions()
         watch = saves.Watch([b for s in sessions for b in s.adapter.host_buffers()],
                             [t for s in sessions for t in s.adapter.host_tensors()])
         result = wrapped(*args, **kwargs)

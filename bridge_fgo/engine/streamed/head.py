@@ -26,10 +26,11 @@ turns the head off; a step of another number of microbatches (a batch-size ramp)
 from __future__ import annotations
 
 import dataclasses
+import logging
 import weakref
 from typing import Callable, List, Optional, Tuple
 
-from ...log import logger, rank_prefix
+from ...log import logger, once, rank_prefix
 from ..firststep import margin
 
 MARKS = (512 * 2039, 512 * 2029)  # bytes; small-pool sizes no model is likely to allocate back to back
@@ -132,7 +133,6 @@ class Head:
         self.microbatches = 0
         self._samples: List[int] = []  # the measured step: allocated at each hook, before its marker
         self.prefetched: Optional[int] = None  # the last step's chunks whose copy began in its last backward
-        self._said_shape: set = set()  # microbatch counts already said to differ from the measured step's
         self.step_note: dict = {}  # this step's: the most room seen, where it left the curve
         self.last_note: dict = {}
 
@@ -186,11 +186,10 @@ class Head:
         if self.state == "on" and self.microbatches != self.curve.microbatches:
             self.stopped = True  # a batch-size ramp: not the measured step's shape
             self.step_note["microbatches"] = self.microbatches
-            if self.microbatches not in self._said_shape:
-                self._said_shape.add(self.microbatches)
-                logger.info("%sno prefetch during backward in steps of %d microbatch(es): the curve was measured in "
-                            "a step of %d (a batch-size ramp?); steps of %d prefetch again", rank_prefix(),
-                            self.microbatches, self.curve.microbatches, self.curve.microbatches)
+            once(("head-microbatches", self.microbatches), logging.INFO,
+                 "%sno prefetch during backward in steps of %d microbatch(es): the curve was measured in a step of "
+                 "%d (a batch-size ramp?); steps of %d prefetch again", rank_prefix(), self.microbatches,
+                 self.curve.microbatches, self.curve.microbatches)
         if measure and self.state == "off" and self.why_off is None:
             if self.attached:
                 self._start_trace()
