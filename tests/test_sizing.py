@@ -173,12 +173,13 @@ def test_a_given_chunk_mb_without_headroom_keeps_two_slots_and_says_they_exceed_
     assert engine.plan.slots == 2 and "2 slots (the least: even two exceed the headroom)" in engine.window_note
 
 
-def test_a_budget_that_fails_half_way_leaves_whole_bundles_and_stays_exact(small_units):
+@pytest.mark.parametrize("kind", ["torch-foreach-default", "te", "apex"])
+def test_a_budget_that_fails_half_way_leaves_whole_bundles_and_stays_exact(kind, small_units):
     """Out of GPU memory while the budget moves states back: the bundles moved whole stay resident, the
     one it failed in goes back to its host views whole, the chunks are cut from what is not resident,
     and training that goes on (the exception caught, a restart in process) stays exact."""
-    base, opt = make(), make()
-    full = engine_for(make()).bytes
+    base, opt = make(**OPTIMIZERS[kind]), make(**OPTIMIZERS[kind])
+    full = engine_for(make(**OPTIMIZERS[kind])).bytes
     engine = StreamedEngine([opt], 256, GIB + 64 * MIB + full, auto=True)  # room for every state
     engine.prepare()
     engine.probe = measured(before=0, backward=GIB, base=1024, step=GIB)
