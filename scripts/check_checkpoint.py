@@ -79,6 +79,11 @@ def _same(a, b):
         return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if hasattr(a, "__array__") or hasattr(b, "__array__"):  # numpy's RNG state in the saved rng_state
+        import numpy as np
+
+        return (type(a) is type(b) and np.asarray(a).dtype == np.asarray(b).dtype
+                and np.array_equal(a, b))
     return a == b
 
 

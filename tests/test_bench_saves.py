@@ -146,6 +146,21 @@ def test_checkpoints_compare_entry_by_entry(tmp_path):
     assert check_checkpoint.contents(a) == {"entries": 4, "tensors": 2, "optimizer_tensors": 1, "bytes": 6 * 4 + 6 * 2}
 
 
+def test_numpy_rng_states_compare_by_value(tmp_path):
+    # Bridge saves numpy's RNG state (a tuple holding a uint32 array) in rng_state: `==` on it raised
+    import numpy as np
+
+    rng = np.random.RandomState(1234).get_state()
+    other = np.random.RandomState(4321).get_state()
+    write(tmp_path / "a", **state(rng_state={"np": rng}))
+    write(tmp_path / "same", **state(rng_state={"np": np.random.RandomState(1234).get_state()}))
+    write(tmp_path / "other", **state(rng_state={"np": other}))
+    a = str(tmp_path / "a")
+    assert check_checkpoint.differing(a, str(tmp_path / "same")) == []
+    assert check_checkpoint.differing(a, str(tmp_path / "other")) != []
+    assert check_checkpoint._same(np.zeros(2, np.uint32), np.zeros(2, np.int64)) is False
+
+
 def test_each_run_is_compared_with_the_reference_then_pruned(tmp_path):
     import torch
 
