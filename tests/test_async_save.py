@@ -263,6 +263,55 @@ def test_a_save_pending_at_unpatch(writers, megatron_core_for, kind, tmp_path):
     assert_same(snapshot(twin.dist_optimizer), snapshot(rig.dist_optimizer))
 
 
+@pytest.mark.parametrize("kind", harness.OPTIMIZERS)
+def test_a_save_started_while_the_previous_is_written_finishes_that_one_first(writers, megatron_core_for, kind,
+                                                                              tmp_path, caplog):
+    """Bridge starts a save with the previous one still in flight ("Starting a checkpoint save before
+    previous has finished"); each holds its writer's copy of the host states, and the host-memory check
+    planned one. The call site finishes the pending save first (said once), so one copy exists at a time;
+    both checkpoints hold their own iteration."""
+    setup_kind(megatron_core_for, kind)
+    bridge_fgo.patch(offload="builtin", chunk_mb=1)
+    queue = writers[WRITER]
+    rig = rig_for(kind, tmp_path, queue)
+    pending_at_entry = []
+
+    def save(state, dist_optimizer, directory, strategy):
+        pending_at_entry.append(queue.get_num_unfinalized_calls())
+        bridge_save(state, dist_optimizer, directory, strategy)
+
+    for it in (2, 3, 4):
+        harness.run_steps(rig, steps=1 if it > 2 else 2)
+        sync_save(rig.dist_optimizer, tmp_path / f"sync{it}")
+        save_site()(save, None, (rig.global_state, rig.dist_optimizer, tmp_path / f"async{it}", WRITER), {})
+    assert pending_at_entry == [0, 0, 0] and queue.get_num_unfinalized_calls() == 1
+    queue.maybe_finalize_async_calls(blocking=True)
+    skip = model_keys(rig.dist_optimizer)
+    for it in (2, 3, 4):
+        assert differing(tmp_path / f"async{it}", tmp_path / f"sync{it}", skip) == []
+    said = [r.getMessage() for r in caplog.records if "still being written" in r.getMessage()]
+    assert len(said) == 1 and "planned once by the host-memory check" in said[0] and "save_interval" in said[0]
+
+
+def test_another_ranks_pending_save_is_finished_on_every_rank(monkeypatch, tmp_path):
+    """Finishing is collective: a rank with nothing pending finishes too when another rank has a save in
+    flight; with nothing pending anywhere, nothing is finished."""
+    bridge_fgo.patch(offload="builtin", chunk_mb=1)
+    queue = ViewWriterQueue()
+    rig = rig_for("torch", tmp_path, queue)
+    harness.run_steps(rig, steps=1)
+    finishes = []
+    monkeypatch.setattr(queue, "maybe_finalize_async_calls", lambda blocking=False: finishes.append(blocking))
+    other = []  # what the other rank answers: first to finish_pending, then to the watch (nothing held)
+    monkeypatch.setattr(saves.agree, "gather", lambda v: [v, other.pop(0)])
+    other += [None, None]
+    save_site()(lambda state: None, None, (rig.global_state,), {})
+    assert finishes == [] and other == []
+    other += ["pending", None]
+    save_site()(lambda state: None, None, (rig.global_state,), {})
+    assert finishes == [True] and other == []
+
+
 # -- 4. the safety net: a writer that keeps views of the host buffer ---------------------------------------
 
 class ViewWriterQueue:
@@ -375,9 +424,9 @@ def test_where_torch_cannot_count_the_holders_every_save_is_finished_and_said_on
     rig, want = at_iteration_2(megatron_core_for, "torch", tmp_path, queue)
     monkeypatch.delattr(torch._C, "_storage_Use_Count")
     finished = []
-    for _ in range(2):
-        queue.schedule_async_request(lambda: finished.append(True))
-        save_site()(lambda state: None, None, (rig.global_state,), {})
+    for _ in range(2):  # each save schedules its own request, as Bridge's does
+        save_site()(lambda state: queue.schedule_async_request(lambda: finished.append(True)), None,
+                    (rig.global_state,), {})
     assert finished == [True, True]
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == 1 and "cannot count what holds the optimizer states' pinned host buffer" in said[0]
@@ -390,12 +439,12 @@ def test_another_ranks_held_save_makes_every_rank_finish_it(monkeypatch, tmp_pat
     queue = ViewWriterQueue()
     rig = rig_for("torch", tmp_path, queue)
     harness.run_steps(rig, steps=1)
-    exchanged = []
-    monkeypatch.setattr(saves.agree, "gather", lambda v: exchanged.append(v) or [v, saves.HELD])
+    exchanged, other = [], [None, saves.HELD]  # the other rank: nothing pending before; its save held after
+    monkeypatch.setattr(saves.agree, "gather", lambda v: exchanged.append(v) or [v, other.pop(0)])
     finished = []
-    queue.schedule_async_request(lambda: finished.append(True))
-    save_site()(lambda state: None, None, (rig.global_state,), {})
-    assert exchanged == [None] and finished == [True]
+    save_site()(lambda state: queue.schedule_async_request(lambda: finished.append(True)), None,
+                (rig.global_state,), {})
+    assert exchanged == [None, None] and finished == [True]
 
 
 def test_a_save_that_moves_the_buffer_is_refused(tmp_path):

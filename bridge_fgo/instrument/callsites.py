@@ -264,8 +264,9 @@ class CallSites:
         # the save waits for the last update's copies anyway; waiting first keeps the queued copies' views of
         # the buffer out of the count taken before it
         self.synchronize()
-        watch = saves.Watch([b for s in sessions for b in s.adapter.host_buffers()],
-                            [t for s in sessions for t in s.adapter.host_tensors()])
+        buffers = [b for s in sessions for b in s.adapter.host_buffers()]
+        saves.finish_pending(state, sum(b.nbytes for b in buffers if not b.freed))  # one snapshot at a time
+        watch = saves.Watch(buffers, [t for s in sessions for t in s.adapter.host_tensors()])
         result = wrapped(*args, **kwargs)
         watch.after(state)
         return result
