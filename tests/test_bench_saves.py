@@ -177,3 +177,17 @@ def test_each_run_is_compared_with_the_reference_then_pruned(tmp_path):
     assert not row["identical"] and row["differing"] == ["optimizer.exp_avg"] and row["n_differing"] == 1
     assert sorted(os.listdir(tmp_path / "ckpt_builtin_sync")) == ["iter_0000003", "iter_0000006"]
     assert "no torch_dist checkpoint" in saves.compare_and_prune(out, "missing", "base_sync", 3, keep=False)["error"]
+
+
+def test_the_snapshot_prototype_benchmark_runs_and_checks_its_copies():
+    """scripts/bench_snapshot.py (the shared-memory snapshot prototype of docs/design.md#async-save): both
+    ways produce the views' values (it asserts so) and it reports both and their ratio."""
+    import subprocess
+
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "bench_snapshot.py")
+    out = subprocess.run([sys.executable, script, "--gib", "0.01", "--tensors", "4", "--rounds", "1"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("writers: median ") and lines[1].startswith("shared: median ")
+    assert lines[2].startswith("shared / writers: ")
