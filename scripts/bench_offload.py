@@ -51,7 +51,15 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 GIB = 2**30
 
 
+def prepare_out(path):
+    """--out's folder made before the run: a missing one used to fail the profile at its iteration, or
+    the JSON after the last."""
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+
+
 def run(args):
+    prepare_out(args.out)
     for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29517").items():
         os.environ.setdefault(k, v)
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")

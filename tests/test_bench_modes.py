@@ -164,3 +164,11 @@ def test_checks_compare_the_logged_parameter_norms_with_the_base_runs():
     n = bench.checks(results, "auto")["params_norm"]
     assert n["builtin256"] == {"identical": True, "largest_relative_difference": 0.0}
     assert not n["builtin"]["identical"] and n["builtin"]["largest_relative_difference"] == pytest.approx(2e-7)
+
+
+def test_the_out_folder_is_made_before_the_run(tmp_path):
+    out = tmp_path / "prof" / "deeper" / "builtin.json"
+    bench.prepare_out(str(out))
+    assert out.parent.is_dir()
+    bench.prepare_out(str(out))  # already there
+    bench.prepare_out(None)
