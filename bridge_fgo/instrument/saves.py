@@ -78,10 +78,16 @@ def finish_pending(state, nbytes: int) -> None:
          "host-memory check), so the previous save is finished before the next one starts (on every rank, every "
          "such save). Fix: a cfg.checkpoint.save_interval longer than a save takes to write",
          rank_prefix(), fmt_bytes(nbytes))
+    _finish(state, "an asynchronous checkpoint save is in flight on another rank")
+
+
+def _finish(state, what: str) -> None:
+    """Bridge's queue finalized, blocking (what Bridge's blocking finalize calls), on every rank: finishing
+    is collective. `what` needs it, and is refused where the state has no queue to finish it with."""
+    queue = getattr(state, "async_calls_queue", None)
     if queue is None:
-        raise BridgeFGOError(f"{rank_prefix()}another rank has an asynchronous checkpoint save in flight and Bridge's "
-                             f"state here has no async_calls_queue to finish it. {FIX}")
-    queue.maybe_finalize_async_calls(blocking=True)  # what Bridge's blocking finalize calls, on every rank
+        raise BridgeFGOError(f"{rank_prefix()}{what} and Bridge's state has no async_calls_queue to finish it. {FIX}")
+    queue.maybe_finalize_async_calls(blocking=True)
 
 
 class Watch:
@@ -144,11 +150,7 @@ class Watch:
                  "written yet: the save is finished before training goes on, as a synchronous one would be (on every "
                  "rank, every such save). %s", rank_prefix(), "this rank's save" if held else "another rank's save",
                  f" ({held} more reference(s) to it or its tensors than before)" if held else "", FIX)
-        queue = getattr(state, "async_calls_queue", None)
-        if queue is None:
-            raise BridgeFGOError(f"{rank_prefix()}an asynchronous checkpoint save still holds the optimizer states' "
-                                 f"host buffer and Bridge's state has no async_calls_queue to finish it. {FIX}")
-        queue.maybe_finalize_async_calls(blocking=True)  # what Bridge's blocking finalize calls, on every rank
+        _finish(state, "an asynchronous checkpoint save still holds the optimizer states' host buffer")
         left = self._held()
         if left > 0:
             logger.warning("%s%s reference(s) to the optimizer states' host buffer or its tensors are still held "
