@@ -172,3 +172,25 @@ def test_the_out_folder_is_made_before_the_run(tmp_path):
     assert out.parent.is_dir()
     bench.prepare_out(str(out))  # already there
     bench.prepare_out(None)
+
+
+def test_trace_streams_finds_where_the_compute_stream_waited(tmp_path):
+    """scripts/trace_streams.py on a made-up timeline: kernels on stream 7, 2 ms idle while an engine copy
+    in runs, the copies' figures beside."""
+    import gzip
+    import json
+
+    trace_streams = importlib.import_module("trace_streams")
+    events = [dict(cat="kernel", name="k", ts=ts, dur=dur, args=dict(stream=7)) for ts, dur in
+              ((0, 100), (100, 100), (2200, 100), (2300, 10))]
+    events += [dict(cat="gpu_memcpy", name="Memcpy HtoD (Pinned -> Device)", ts=120, dur=3000,
+                    args=dict(stream=20, bytes=3_000_000)),
+               dict(cat="gpu_memcpy", name="Memcpy DtoH (Device -> Pinned)", ts=3000, dur=500,
+                    args=dict(stream=21, bytes=1_000_000))]
+    path = tmp_path / "t.trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    out = trace_streams.analyse(str(path))
+    assert out["copies"] == {"h2d": 1, "d2h": 1} and out["GBps"] == {"h2d": 1.0, "d2h": 2.0}
+    assert out["compute"] == {"span_ms": 2.3, "idle_ms": 2.0, "idle_in_gaps_over_ms": {"0.5": 2.0},
+                              "largest_gaps": [{"at_ms": 0.2, "ms": 2.0, "copies": ["h2d"]}]}

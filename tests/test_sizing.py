@@ -101,6 +101,29 @@ def test_a_budget_plans_from_the_allocated_peak():
     assert budget.choose(bundles, 10 * GIB, first) is None
 
 
+def test_a_budget_counts_the_window_the_kept_states_take_off_the_step():
+    """Where the step sets the peak (full recomputation), keeping the largest parameter shrinks the step's
+    window: that room is used too, and the planned peak never passes the budget less its margin."""
+    sizes = (3 * GIB, *[GIB] * 6, GIB // 2)
+    bundles = [type("B", (), dict(nbytes=n, entries=[1], resident=False))() for n in sizes]
+
+    def step_with(kept):  # base 10 GiB, a window of two slots of the largest bundle left, no scratch
+        left = [b.nbytes for b in bundles if b not in kept]
+        return 10 * GIB + 2 * max(left, default=0)
+
+    first = FirstStep(before=9 * GIB, backward=11 * GIB, base=10 * GIB, step=16 * GIB)
+    budget_bytes = int(20.5 * GIB)
+    bound = budget_bytes - margin(budget_bytes)
+    old = budget.choose(bundles, budget_bytes, first)
+    assert [b.nbytes for b in old] == [3 * GIB, 1 * GIB]  # the room above the all-offloaded 16 GiB
+    kept = budget.choose(bundles, budget_bytes, first, step_with, chunk_bytes=GIB // 2)
+    # kept 3 GiB: the window falls from 6 to 2 GiB, then to 1 GiB once only the 0.5 GiB one is left; that
+    # one would pass the bound
+    assert [b.nbytes for b in kept] == [3 * GIB, *[GIB] * 6]
+    assert budget.planned(first, kept, step_with) <= bound < budget.planned(first, kept + [bundles[-1]], step_with)
+    assert budget.planned(first, kept, None) == first.step + sum(b.nbytes for b in kept)
+
+
 @pytest.fixture
 def small_units(monkeypatch):
     """The rig's states are kilobytes: its "MB" is a byte, so 256 "MB" windows cut it into chunks."""
@@ -209,3 +232,22 @@ def test_a_budget_that_fails_half_way_leaves_whole_bundles_and_stays_exact(kind,
         step(base)
         step(opt, engine)
         assert_same(snapshot(base), snapshot(opt))
+
+
+def test_a_budget_under_recomputation_uses_the_window_it_frees(small_units):
+    """The rig's largest parameter (1 KiB of states) sets a window slot: with it kept, the step's window
+    falls from 1.5 to 1 KiB, and the budget keeps a 512-byte parameter more in that room."""
+    base, opt = make(), make()
+    engine = engine_for(make(), 256)
+    assert engine.window_bytes == 1536 and max(bd.nbytes for p in engine.parts for bd in p.bundles) == 1024
+    engine = StreamedEngine([opt], 256, GIB + 64 * MIB + 1536 + 1024)
+    engine.prepare()
+    # the step set the run's peak: the all-offloaded step took base + its 1.5 KiB window
+    engine.probe = measured(before=0, backward=GIB, base=GIB, step=GIB + 1536)
+    for _ in range(3):
+        step(base)
+        step(opt, engine)
+        assert_same(snapshot(base), snapshot(opt))
+    kept = [bd.nbytes for p in engine.parts for bd in p.bundles if bd.resident]
+    assert sorted(kept) == [512, 1024] and engine.window_bytes == 1024  # planned from the all-offloaded: [1024]
+    assert f"planned with them {(GIB + 1024 + 1536) / GIB:.2f} GiB" in engine.budget_note

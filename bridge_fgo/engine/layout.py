@@ -9,7 +9,7 @@ stay resident on the GPU under a memory budget), packed end to end in the GPU wi
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Collection, Dict, List, Optional, Sequence, Tuple
 
 from .contracts import Contract
 from .tensors import ALIGN, MASTER, SCALE, STATE, Entry, Movable, aligned, nbytes_like, nbytes_of
@@ -93,13 +93,15 @@ def place(bundles: Sequence[Bundle], start: int = 0) -> int:
     return offset
 
 
-def chunks_of(bundles: Sequence[Bundle], chunk_bytes: int, first_index: int = 0) -> List[Chunk]:
+def chunks_of(bundles: Sequence[Bundle], chunk_bytes: int, first_index: int = 0,
+              kept: Collection[int] = ()) -> List[Chunk]:
     """Cut the streamed (non-resident) bundles of one DistributedOptimizer into chunks of at most
-    chunk_bytes (a larger bundle alone), and pack each chunk's spans into the window."""
+    chunk_bytes (a larger bundle alone), and pack each chunk's spans into the window. `kept`: ids of
+    bundles to count as resident too (a budget's candidates, before they move)."""
     chunks: List[Chunk] = []
     current: Optional[Chunk] = None
     for b in bundles:
-        if b.resident or not b.entries:
+        if b.resident or not b.entries or id(b) in kept:
             continue
         if current is None or (current.bundles and current.nbytes + b.nbytes > chunk_bytes):
             current = Chunk(first_index + len(chunks), b.part, [])

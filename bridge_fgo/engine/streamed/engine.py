@@ -270,9 +270,16 @@ class StreamedEngine:
 
     def _apply_budget(self, first) -> None:
         """Keep resident as many bundles as fit under the budget."""
-        kept = budget.choose([bd for part in self.parts for bd in part.bundles], self.budget_bytes, first)
+        def step_with(kept) -> int:  # the step's peak were `kept` resident: its window shrinks with them
+            window, largest = self.plan.window_if({id(b) for b in kept})
+            return first.base + window + first.scratch(largest)
+
+        kept = budget.choose([bd for part in self.parts for bd in part.bundles], self.budget_bytes, first, step_with,
+                             self.plan.chunk_bytes)
         basis = (f"the run's allocated peak with everything offloaded {budget.peak(first) / GiB:.2f} GiB"
                  if first.measured else "nothing measured (no GPU)")
+        if kept and first.measured:
+            basis += f", planned with them {budget.planned(first, kept, step_with) / GiB:.2f} GiB"
         if kept is None:
             self.budget_note = (f"gpu_budget_gib {self.budget_bytes / GiB:.2f} GiB cannot be met: {basis}; "
                                 "everything stays offloaded")

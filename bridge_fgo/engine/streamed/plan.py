@@ -6,7 +6,7 @@ The engine holds its optimizers through weak references: it never keeps one aliv
 from __future__ import annotations
 
 import weakref
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Collection, Dict, Iterator, List, Optional, Tuple
 
 from ...errors import BridgeFGOError
 from .. import contracts, layout
@@ -121,6 +121,14 @@ class Plan:
         for part in self.parts:
             part.chunks = layout.chunks_of(part.bundles, self.chunk_bytes, first_index=len(self.chunks))
             self.chunks += part.chunks
+
+    def window_if(self, kept: Collection[int]) -> Tuple[int, int]:
+        """(window bytes, largest chunk) of the current chunk size and slots were the bundles whose ids
+        are in `kept` resident too: what a memory budget's choice leaves the step."""
+        chunks: List[layout.Chunk] = []
+        for part in self.parts:
+            chunks += layout.chunks_of(part.bundles, self.chunk_bytes, len(chunks), kept)
+        return sum(layout.window_sizes(chunks, self.slots)), max((c.nbytes for c in chunks), default=0)
 
     def part_of(self, opt) -> Part:
         return next(p for p in self.parts if p.holds(opt))
