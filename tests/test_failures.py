@@ -46,7 +46,7 @@ def setup(kind, budget):
         step(base)
         step(opt, engine)
     if budget is not None:
-        assert engine.resident_bytes and engine.parts[0].resident_params_by_group()
+        assert engine.resident_bytes and engine.parts[0].resident_pieces(2**40)
     return base, opt, engine
 
 
@@ -134,7 +134,7 @@ def test_a_failure_at_every_chunk_and_in_the_resident_pass(kind, budget, tmp_pat
     (only before the first pass began), or the torn mark; no later save writes anything."""
     cases = []
     probe = setup(kind, budget)[2]
-    resident = bool(probe.parts[0].resident_params_by_group())
+    resident = bool(probe.parts[0].resident_pieces(2**40))
     n_chunks, n_passes = len(probe.chunks), len(probe.chunks) + resident
     for k in range(n_chunks):
         cases += [("before", k), ("after", k)]

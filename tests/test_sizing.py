@@ -251,3 +251,35 @@ def test_a_budget_under_recomputation_uses_the_window_it_frees(small_units):
     kept = [bd.nbytes for p in engine.parts for bd in p.bundles if bd.resident]
     assert sorted(kept) == [512, 1024] and engine.window_bytes == 1024  # planned from the all-offloaded: [1024]
     assert f"planned with them {(GIB + 1024 + 1536) / GIB:.2f} GiB" in engine.budget_note
+
+
+@pytest.mark.parametrize("kind", ["torch-foreach-default", "te", "apex"])
+def test_the_states_a_budget_keeps_are_updated_in_chunk_sized_pieces(kind, monkeypatch):
+    """One inner step() over every resident parameter would allocate the optimizer's scratch for all of
+    them at once (torch's foreach AdamW: a temporary as large as their masters), where the window was
+    sized for a chunk's: they go in pieces of at most a chunk (a larger parameter alone), exactly."""
+    from bridge_fgo.engine import update as subset
+
+    base, opt = make(**OPTIMIZERS[kind]), make(**OPTIMIZERS[kind])
+    full = sum(bd.nbytes for bd in engine_for(make(**OPTIMIZERS[kind])).parts[0].bundles)
+    engine = StreamedEngine([opt], 600, GIB + 64 * MIB + full)  # room for every state
+    engine.prepare()
+    engine.probe = measured(before=0, backward=GIB, base=1024, step=GIB)
+    real, calls = subset.step_subset, []
+
+    def step_subset(inner, state, by_group):
+        stepped = {id(p) for ps in by_group.values() for p in ps}
+        calls.append(sum(bd.nbytes for bd in engine.parts[0].bundles if id(bd.param) in stepped))
+        return real(inner, state, by_group)
+
+    monkeypatch.setattr(subset, "step_subset", step_subset)
+    for _ in range(3):
+        step(base)
+        step(opt, engine)
+        assert_same(snapshot(base), snapshot(opt))
+    bundles = engine.parts[0].bundles
+    assert all(bd.resident for bd in bundles) and not engine.chunks
+    passes = calls[-len(engine.parts[0].resident_pieces(600)):]
+    assert len(passes) > 1 and all(n <= 600 or n == max(bd.nbytes for bd in bundles) for n in passes)
+    assert sum(passes) == sum(bd.nbytes for bd in bundles)
+    assert engine._window_at(600)[1] == engine.parts[0].largest_piece(600) == max(passes)

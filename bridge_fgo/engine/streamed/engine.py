@@ -261,18 +261,22 @@ class StreamedEngine:
 
     def _window_at(self, chunk_bytes: int, slots: int = 2):
         """The plan cut into chunks of at most chunk_bytes, with a window of `slots` slots for them:
-        (window bytes, largest chunk, chunks). Between updates only (the old window's memory is retired after
-        its copies)."""
+        (window bytes, largest pass: a chunk or a piece of the resident states, chunks). Between updates
+        only (the old window's memory is retired after its copies)."""
         self.plan.chunk_bytes, self.plan.slots = chunk_bytes, slots
         self.plan.cut()
         self.transfers.new_window()
-        return self.window_bytes, max((c.nbytes for c in self.chunks), default=0), len(self.chunks)
+        # the largest pass of the inner optimizer: a chunk, or a piece of what stays on the GPU
+        largest = max([c.nbytes for c in self.chunks] + [p.largest_piece(chunk_bytes) for p in self.parts] + [0])
+        return self.window_bytes, largest, len(self.chunks)
 
     def _apply_budget(self, first) -> None:
         """Keep resident as many bundles as fit under the budget."""
         def step_with(kept) -> int:  # the step's peak were `kept` resident: its window shrinks with them
             window, largest = self.plan.window_if({id(b) for b in kept})
-            return first.base + window + first.scratch(largest)
+            # their in-place passes come in pieces of at most a chunk (a larger parameter alone)
+            piece = max(min(sum(b.nbytes for b in kept), self.plan.chunk_bytes), max((b.nbytes for b in kept), default=0))
+            return first.base + window + first.scratch(max(largest, piece))
 
         kept = budget.choose([bd for part in self.parts for bd in part.bundles], self.budget_bytes, first, step_with,
                              self.plan.chunk_bytes)

@@ -119,12 +119,12 @@ class Update:
     def _passes(self, part: Part, inner) -> None:
         state = subset.GroupState(inner)
         chain = f" of optimizer {part.index} of the chain" if len(self.plan.parts) > 1 else ""
-        resident = part.resident_params_by_group()
-        if resident:  # overlaps the host-to-device copies already in flight
+        # in place, in chunk-sized pieces (their scratch is a chunk's); overlaps the copies in flight
+        for piece in part.resident_pieces(self.plan.chunk_bytes):
             self.where = f"in the pass over the parameters kept on the GPU (gpu_budget_gib){chain}"
-            self._begin(part, resident)
-            subset.step_subset(inner, state, resident)
-            self._copy_masters(part, [p for ps in resident.values() for p in ps])
+            self._begin(part, piece)
+            subset.step_subset(inner, state, piece)
+            self._copy_masters(part, [p for ps in piece.values() for p in ps])
         b = part.bindings
         t = self.transfers
         slots = len(t.window.slots)
