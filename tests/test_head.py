@@ -354,3 +354,24 @@ def test_a_curve_read_at_a_failed_steps_exit_is_never_enabled(monkeypatch):
     assert engine.head.curve is None and engine.head.state == "measuring" and rec.calls == ["all"]
     engine.head.enable(10**9)
     assert engine.head.state == "measuring"  # nothing to enable
+
+
+def test_the_head_may_fill_up_to_the_runs_peak_where_the_step_set_it(monkeypatch):
+    """Full recomputation: the first step's peak (its window) is above forward-backward's. The head's
+    bound is the run's peak through the first step, so backward may bring slots in up to it: the step
+    allocates the same slots at that peak anyway."""
+    from bridge_fgo.engine.firststep import margin
+    from test_streamed import measured
+
+    monkeypatch.setattr(head_mod, "_microbatches", lambda: 1)
+    opt = make()
+    engine = engine_for(opt, 600)
+    engine.probe = measured(before=0, backward=2**30, base=2**29, step=2**30 + 2**28)
+    def end_step():  # the first step's curve as gradient finalization reads it (a GPU's trace)
+        engine.head.curve = head_mod.Curve(at=[1], ahead=[1], first=0, hooks=1, microbatches=1)
+        engine.head.state = "measured"
+
+    monkeypatch.setattr(engine.head, "end_step", end_step)
+    step(opt, engine)
+    peak = 2**30 + 2**28
+    assert engine.head.state == "on" and engine.head.limit == peak - margin(peak) > 2**30 - margin(2**30)

@@ -254,8 +254,9 @@ class StreamedEngine:
             self.window_note = (f"window sized from the first step: {why}. {len(self.chunks)} chunk(s), the step adds "
                                 f"at most {self.window_bytes} bytes on the GPU")
             logger.info("%s%s", rank_prefix(), self.window_note)
-        if first.measured:
-            self.head.enable(first.backward - margin(first.backward), self.resident_bytes)
+        if first.measured:  # under the run's peak through the first step: the step's where it set it (recompute)
+            bound = budget.peak(first)
+            self.head.enable(bound - margin(bound), self.resident_bytes)
             if self.head.state == "on":
                 logger.info("%s%s", rank_prefix(), self.head.describe())
 
