@@ -267,17 +267,14 @@ class StreamedEngine:
         self.plan.chunk_bytes, self.plan.slots = chunk_bytes, slots
         self.plan.cut()
         self.transfers.new_window()
-        # the largest pass of the inner optimizer: a chunk, or a piece of what stays on the GPU
-        largest = max([c.nbytes for c in self.chunks] + [p.largest_piece(chunk_bytes) for p in self.parts] + [0])
-        return self.window_bytes, largest, len(self.chunks)
+        window, largest = self.plan.window_if()
+        return window, largest, len(self.chunks)
 
     def _apply_budget(self, first) -> None:
         """Keep resident as many bundles as fit under the budget."""
         def step_with(kept) -> int:  # the step's peak were `kept` resident: its window shrinks with them
             window, largest = self.plan.window_if({id(b) for b in kept})
-            # their in-place passes come in pieces of at most a chunk (a larger parameter alone)
-            piece = max(min(sum(b.nbytes for b in kept), self.plan.chunk_bytes), max((b.nbytes for b in kept), default=0))
-            return first.base + window + first.scratch(max(largest, piece))
+            return first.base + window + first.scratch(largest)
 
         kept = budget.choose([bd for part in self.parts for bd in part.bundles], self.budget_bytes, first, step_with,
                              self.plan.chunk_bytes)

@@ -70,14 +70,15 @@ class Part:
         on an H100, 2026-11-26), where the window was sized for a chunk's."""
         return [piece for piece, _ in self._pieces(limit)]
 
-    def largest_piece(self, limit: int) -> int:
-        """Bytes of states of the largest of resident_pieces(limit)."""
-        return max((n for _, n in self._pieces(limit)), default=0)
+    def largest_piece(self, limit: int, kept: Collection[int] = ()) -> int:
+        """Bytes of states of the largest of resident_pieces(limit), were the bundles whose ids are in
+        `kept` resident too."""
+        return max((n for _, n in self._pieces(limit, kept)), default=0)
 
-    def _pieces(self, limit: int) -> List[Tuple[Dict[int, list], int]]:
+    def _pieces(self, limit: int, kept: Collection[int] = ()) -> List[Tuple[Dict[int, list], int]]:
         pieces: List[Tuple[Dict[int, list], int]] = []
         for b in self.bundles:
-            if b.entries and not b.resident:
+            if b.entries and not b.resident and id(b) not in kept:
                 continue
             if not pieces or (pieces[-1][1] and pieces[-1][1] + b.nbytes > limit):
                 pieces.append(({}, 0))
@@ -139,13 +140,17 @@ class Plan:
             part.chunks = layout.chunks_of(part.bundles, self.chunk_bytes, first_index=len(self.chunks))
             self.chunks += part.chunks
 
-    def window_if(self, kept: Collection[int]) -> Tuple[int, int]:
-        """(window bytes, largest chunk) of the current chunk size and slots were the bundles whose ids
-        are in `kept` resident too: what a memory budget's choice leaves the step."""
-        chunks: List[layout.Chunk] = []
-        for part in self.parts:
-            chunks += layout.chunks_of(part.bundles, self.chunk_bytes, len(chunks), kept)
-        return sum(layout.window_sizes(chunks, self.slots)), max((c.nbytes for c in chunks), default=0)
+    def window_if(self, kept: Collection[int] = ()) -> Tuple[int, int]:
+        """(window bytes, largest pass of the inner optimizer: a chunk, or a piece of the states updated
+        in place) at the current chunk size and slots, were the bundles whose ids are in `kept` resident
+        too: what a memory budget's choice leaves the step (none: the plan as cut)."""
+        chunks = self.chunks
+        if kept:
+            chunks = []
+            for part in self.parts:
+                chunks += layout.chunks_of(part.bundles, self.chunk_bytes, len(chunks), kept)
+        largest = max([c.nbytes for c in chunks] + [p.largest_piece(self.chunk_bytes, kept) for p in self.parts] + [0])
+        return sum(layout.window_sizes(chunks, self.slots)), largest
 
     def part_of(self, opt) -> Part:
         return next(p for p in self.parts if p.holds(opt))
