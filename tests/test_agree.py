@@ -1,4 +1,4 @@
-"""bridge_fgo.agree: one verdict for every rank. In one process (no group, a group of one), and with
+"""bridge_fgo.instrument.agree: one verdict for every rank. In one process (no group, a group of one), and with
 three real processes joined by gloo on 127.0.0.1: a refusal on rank 1 makes every rank raise the same
 message, promptly; no refusal, nobody raises; and the engine's sequence (check_fits on every rank
 against that rank's faked /proc/meminfo, then agree) stops all three ranks with rank 1's figures."""
@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
 from bridge_fgo import BridgeFGOConfigError, hostmem
-from bridge_fgo.agree import agree, refusal
+from bridge_fgo.instrument.agree import agree, refusal
 
 GiB = 2**30
 WHAT = "optimizer-state offload"
@@ -61,7 +61,7 @@ def test_a_group_of_one_does_not_exchange(monkeypatch):
 
 
 def test_agreeing_without_a_group_does_not_import_torch():
-    code = ("import sys, bridge_fgo.agree as a; a.agree(None, 'x')\n"
+    code = ("import sys, bridge_fgo.instrument.agree as a; a.agree(None, 'x')\n"
             "try:\n    a.agree('no', 'x')\nexcept a.BridgeFGOConfigError as e:\n    print(e)\n"
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,

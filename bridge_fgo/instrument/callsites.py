@@ -24,8 +24,8 @@ from typing import Dict, Optional, Tuple
 
 import wrapt
 
-from .. import agree, peaks
-from . import decide, saves, targets
+from .. import peaks
+from . import agree, decide, saves, targets
 from ..errors import BridgeFGOConfigError
 from ..log import logger, rank_prefix
 from ..options import Options, first_chunk_mb

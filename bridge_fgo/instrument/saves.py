@@ -31,7 +31,7 @@ import logging
 import sys
 from typing import List, Optional
 
-from .. import agree
+from . import agree
 from ..errors import BridgeFGOError
 from ..hostmem.common import fmt_bytes
 from ..log import logger, once, rank_prefix

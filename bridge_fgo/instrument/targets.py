@@ -11,6 +11,7 @@ import sys
 import types
 from typing import Dict, Iterator, List, Mapping, Optional, Tuple
 
+from ..codenames import code_names
 from .generations import native_wiring_names
 
 # Roles: which call site wraps a target (callsites.CallSites.site). A new role is a new method there.
@@ -119,21 +120,6 @@ class Problem:
 
     def __str__(self) -> str:
         return self.text
-
-
-def code_names(func) -> frozenset:
-    """Every global/attribute name the function's code (nested code included) refers to.
-    Unwraps decorators first: Bridge's train_step sits under nvtx_decorator's functools.wraps."""
-    try:
-        code = inspect.unwrap(func).__code__
-    except (AttributeError, ValueError):
-        return frozenset()
-    names, stack = set(), [code]
-    while stack:
-        c = stack.pop()
-        names.update(c.co_names)
-        stack.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
-    return frozenset(names)
 
 
 @dataclasses.dataclass

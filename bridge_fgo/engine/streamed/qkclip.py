@@ -36,6 +36,7 @@ import functools
 import logging
 from typing import Dict, List, Optional
 
+from ...codenames import code_names
 from ...log import once, rank_prefix
 from .. import update as subset
 from ..tensors import MASTER
@@ -46,8 +47,6 @@ from .transfers import Transfers
 
 def clip_weights(attn) -> list:
     """The weights whose masters attn.clip_qk() rewrites."""
-    from ...instrument.targets import code_names
-
     names = code_names(type(attn).clip_qk)
     found = [getattr(child, "weight", None) for name, child in attn.named_children() if name in names]
     return [w for w in found if w is not None] or list(attn.parameters())

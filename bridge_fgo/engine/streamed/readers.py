@@ -4,7 +4,8 @@
   (READERS) are wrapped on the instances while the last update's device-to-host copies (the tail)
   are in flight: the first call waits for them, then every guard goes.
 - Torn states (an update failed after it had begun writing): the guards stay, checkpoint saves and
-  optimizer steps are refused until a checkpoint load makes the states whole again.
+  optimizer steps (the inner optimizers' and Megatron-Core's own entry points) are refused until a
+  checkpoint load has made the states whole again: every part of a chain loaded, none failed since.
 - Loads write into the host views: each inner optimizer's load_state_dict and the DistributedOptimizer's
   reload_model_params are hooked from prepare() to close() (load_hooks), keeping whatever was bound
   before them.
@@ -20,6 +21,7 @@ from typing import Callable, Optional
 from ...errors import BridgeFGOError
 from ...log import logger, rank_prefix
 from .. import update as subset
+from ..uninterrupted import each
 from ..tensors import MASTER
 from .plan import Plan
 from .transfers import Transfers
@@ -36,6 +38,9 @@ SAVES = ("state_dict", "save_parameter_state", "get_parameter_state_dp_reshardab
          "get_parameter_state_fs_bucket_space")
 LOADS = ("load_state_dict", "load_parameter_state", "load_parameter_state_from_dp_reshardable",
          "load_parameter_state_from_dp_zero", "load_parameter_state_from_fs_bucket_space")
+# Megatron-Core's own ways into an optimizer step of a DistributedOptimizer (a ChainedOptimizer's step
+# calls them on each part): refused while torn, with the inner optimizer's step()
+STEPS = ("step", "prepare_grads", "step_with_ready_grads")
 TORN_FIX = ("Fix: resume from the last checkpoint (restart the run from it, or load it into this optimizer: a "
             "checkpoint load clears this)")
 
@@ -48,6 +53,11 @@ def _is_loading(method, opt, args, kwargs) -> bool:
         return False
     bound.apply_defaults()
     return bool(bound.arguments.get("is_loading"))
+
+
+def _bind_back(pair) -> None:
+    p, data = pair
+    p.data = data
 
 
 def _hook(readers_ref, method: str, name: str, owner_ref, prior, *args, **kwargs):
@@ -70,12 +80,21 @@ class Readers:
         self.guards = subset.Shadows()  # READERS wrapped while the tail is in flight or states torn
         self._loaders = subset.Shadows()  # load hooks, from prepare() to close()
         # Why the states are torn (an update failed after it had begun writing): until a checkpoint is
-        # loaded, no step and no checkpoint save
-        self.torn: Optional[str] = None
+        # loaded into every part, no step and no checkpoint save
+        self._torn: Optional[str] = None
+        self._loaded: set = set()  # indices of the parts a load went through since the states tore
         self._loading = False  # inside a load reader while torn: Megatron-Core's own nested calls pass
         # a load of the model only is coming: states made from the parameters (TE's master_param) must
         # be made from the loaded ones, after it
         self.states_after_load = False
+
+    @property
+    def torn(self) -> Optional[str]:
+        return self._torn
+
+    @torn.setter
+    def torn(self, why: Optional[str]) -> None:
+        self._torn, self._loaded = why, set()
 
     # -- guards between updates -------------------------------------------------------------------
     def guard(self) -> None:
@@ -89,6 +108,9 @@ class Readers:
                     self.guards.set(opt, name, functools.partial(self._guarded, weakref.ref(opt), name))
             if self.torn is not None:
                 self.guards.set(part.inner, "step", self._torn_step)
+                for name in STEPS:
+                    if callable(getattr(type(opt), name, None)):
+                        self.guards.set(opt, name, self._torn_step)
 
     def drop_guards(self) -> None:
         if self.torn is None:  # torn states keep their guards until a load
@@ -114,11 +136,23 @@ class Readers:
         finally:
             self._loading = False
         if name in LOADS:  # sharded_state_dict(is_loading=True) only builds what the load then fills
-            self.torn = None
-            self.guards.restore()
-            logger.info("%s%s.%s() loaded a checkpoint: the optimizer states are whole again", rank_prefix(),
-                        type(opt).__name__, name)
+            self._loaded_into(opt, name)
         return out
+
+    def _loaded_into(self, opt, name: str) -> None:
+        """A load into one part returned: the mark goes once every part of the chain has loaded (a part's
+        load that raises leaves it, and the parts loaded before it, torn)."""
+        self._loaded.add(self.plan.part_of(opt).index)
+        left = len(self.plan.parts) - len(self._loaded)
+        if left:
+            logger.info("%s%s.%s() loaded a checkpoint into optimizer %d of the chain; the states stay torn until "
+                        "the other %d load too", rank_prefix(), type(opt).__name__, name,
+                        self.plan.part_of(opt).index, left)
+            return
+        self.torn = None
+        self.guards.restore()
+        logger.info("%s%s.%s() loaded a checkpoint: the optimizer states are whole again", rank_prefix(),
+                    type(opt).__name__, name)
 
     def _torn_step(self, *args, **kwargs):
         raise self.refusal("an optimizer step")
@@ -148,12 +182,23 @@ class Readers:
         through it (sharded_state_dict with is_loading): so the load writes into the pinned buffer."""
         inner = inner_ref()
         self.plan.writes += 1  # the load writes the masters (here, or in the same DistributedOptimizer load)
-        with self._params_on_host(inner):
-            result = (prior(*args, **kwargs) if prior is not None
-                      else type(inner).load_state_dict(inner, *args, **kwargs))
-        if self.transfers.buffer is not None:
-            self.transfers.take_all()
+        try:
+            with self._params_on_host(inner):
+                result = (prior(*args, **kwargs) if prior is not None
+                          else type(inner).load_state_dict(inner, *args, **kwargs))
+        except BaseException:
+            # what the load bound before it raised goes into the host views too, so no later release frees it
+            with contextlib.suppress(BridgeFGOError):  # one unlike the plan stays; adopt() refuses it then
+                self._take_loaded()
+            raise
+        self._take_loaded()
         return result
+
+    def _take_loaded(self) -> None:
+        """The states a load bound, copied into their host views. Never freed here: they are the load's
+        or the caller's own tensors (torch's load keeps a state dict's tensor that needs no cast)."""
+        if self.transfers.buffer is not None:
+            self.transfers.take_all(free=False)
 
     @contextlib.contextmanager
     def _params_on_host(self, inner):
@@ -182,9 +227,8 @@ class Readers:
                         # (pages never touched are never committed: this costs no host memory)
                         p.data = torch.empty(p.shape, dtype=p.dtype, device="cpu")
             yield
-        finally:
-            for p, data in swapped:
-                p.data = data
+        finally:  # every parameter back on its own storage, an interrupt between two of them included
+            each(swapped, _bind_back)
 
     def _reload_model_params(self, opt_ref, prior, *args, **kwargs):  # through _hook
         """Megatron-Core's reload_model_params (Bridge calls it after a load without optimizer state:

@@ -74,10 +74,11 @@ class Transfers:
         self.window = None
 
     # -- states into their host views -------------------------------------------------------------
-    def take(self, part: Part, b: Bindings, e: Entry, t) -> None:
-        """Copy `t` (what `e` is bound to) into e's host view now and bind the view; free t's memory.
+    def take(self, part: Part, b: Bindings, e: Entry, t, free: bool = True) -> None:
+        """Copy `t` (what `e` is bound to) into e's host view now and bind the view; free t's memory if
+        it is on the compute device and `free` (not a loaded tensor: the load's or its caller's own).
         A master keeps a storage-less tensor on the compute device as its shell (reload binds it)."""
-        self.check_takeover(part, e, t)
+        self.check_takeover(part, e, t, frees=free)
         e.host.copy_(t.detach())
         if e.kind == MASTER:
             self.plan.writes += 1
@@ -87,7 +88,7 @@ class Transfers:
             part.shells[id(e.param)] = old if on_device else self.new_shell(e)
             construction.unstage(e.param)
         b.set(e, e.host)
-        if on_device and (e.kind == MASTER or owns_storage(old)):
+        if free and on_device and (e.kind == MASTER or owns_storage(old)):
             old.untyped_storage().resize_(0)  # shared by anyone still holding the old tensor: freed for all
 
     def new_shell(self, e: Entry):
@@ -99,9 +100,9 @@ class Transfers:
         shell.untyped_storage().resize_(0)
         return shell
 
-    def take_all(self) -> None:
+    def take_all(self, free: bool = True) -> None:
         for part, b, e, t in list(self.plan.away()):
-            self.take(part, b, e, t)
+            self.take(part, b, e, t, free)
 
     def materialize(self) -> None:
         """Every planned state the optimizer has not created yet, created by the optimizer's own code
@@ -134,9 +135,9 @@ class Transfers:
                         continue
                     self.take(part, b, e, t)
 
-    def check_takeover(self, part: Part, e: Entry, t) -> None:
-        """release() frees the storage of whatever is taken over: a tensor unlike the plan is refused
-        before anything is copied or freed."""
+    def check_takeover(self, part: Part, e: Entry, t, frees: bool = True) -> None:
+        """A tensor unlike the plan is refused before anything is copied or freed; one whose storage
+        would be freed (`frees`: taken over on the compute device) must own all of it."""
         if tuple(t.shape) != e.shape:
             why = f"has shape {tuple(t.shape)}, not {e.shape}"
         elif t.dtype != e.dtype:
@@ -145,7 +146,7 @@ class Transfers:
             why = f"is on {t.device}, not {self.device} or the host"
         elif not t.untyped_storage().nbytes():
             why = "has no storage (it was freed): there is nothing to copy"
-        elif not owns_storage(t):
+        elif frees and t.device == self.device and not owns_storage(t):
             why = ("does not own its storage (a view of a larger tensor): freeing it would free memory that "
                    "other tensors use")
         else:
@@ -164,7 +165,7 @@ class Transfers:
         if not pending:
             return
         for part, _, e, t in pending:
-            self.check_takeover(part, e, t)
+            self.check_takeover(part, e, t)  # (frees only what is on the compute device)
         if any(e.kind == MASTER for _, _, e, _ in pending):
             self.plan.writes += 1
         after = [self.copies.compute_event(), self.tail]
@@ -174,9 +175,11 @@ class Transfers:
         with self.host_wait:  # once per adoption (the first step, a load): the host copy is whole
             self.copies.host_wait(last)
         for part, b, e, t in pending:  # bound to the host only once its copy is whole
-            if e.kind == MASTER:
-                part.shells[id(e.param)] = e.param.data  # keeps the GPU tensor: its storage is freed below
-            self.adopted.append(e.param.data if e.kind == MASTER else t)
+            on_device = t.device == self.device
+            if e.kind == MASTER:  # keeps the GPU tensor as its shell: its storage is freed at release()
+                part.shells[id(e.param)] = e.param.data if on_device else self.new_shell(e)
+            if on_device:  # host memory bridge_fgo did not pin is never emptied: dropped, not freed
+                self.adopted.append(e.param.data if e.kind == MASTER else t)
             b.set(e, e.host)
 
     def release(self) -> bool:

@@ -15,8 +15,8 @@ from __future__ import annotations
 import sys
 from typing import Dict, List, Optional, Sequence
 
-from .errors import BridgeFGOConfigError
-from .hostmem.numa import format_cpulist
+from ..errors import BridgeFGOConfigError
+from ..hostmem.numa import format_cpulist
 
 
 def agree(problem: Optional[str], what: str) -> None:
