@@ -185,3 +185,33 @@ def test_a_direct_load_never_empties_the_callers_tensors(fails):
         assert_same(snapshot(base), snapshot(opt))  # the load put back what was there: the run goes on exactly
     finally:
         engine.close()
+
+
+def test_an_interrupt_while_masters_leave_their_gpu_scratch_binds_every_one_back():
+    """on_device(write_back=True) (qk_clip outside the update, a norm) binds masters to a scratch it then
+    retires: every master is back on its host view even when a KeyboardInterrupt lands between two."""
+    from bridge_fgo.engine.streamed import transfers as transfers_mod
+
+    opt = make()
+    engine = StreamedEngine([opt], 2000)
+    engine.prepare()
+    step(opt, engine)
+    entries = list(engine.plan.streamed_masters().values())
+    assert len(entries) > 2
+    calls = {"n": 0}
+    real = transfers_mod._bind_prior
+
+    def bind_prior(pair):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt
+        real(pair)
+
+    try:
+        with mock.patch.object(transfers_mod, "_bind_prior", bind_prior), pytest.raises(KeyboardInterrupt):
+            with engine.transfers.on_device(entries, write_back=True):
+                pass
+        engine.synchronize()
+        assert all(e.param.data_ptr() == e.host.data_ptr() for e in entries)
+    finally:
+        engine.close()

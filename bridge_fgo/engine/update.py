@@ -15,6 +15,7 @@ import weakref
 from typing import Dict, List
 
 from ..errors import BridgeFGOError
+from .uninterrupted import each
 
 _MISSING = object()
 
@@ -143,18 +144,23 @@ class Shadows:
         setattr(obj, name, value)
 
     def restore(self) -> None:
-        while self._saved:
-            ref, name, prior = self._saved.pop()
-            obj = ref()
-            if obj is None:
-                continue
-            if prior is _MISSING:
-                obj.__dict__.pop(name, None)
-            else:
-                setattr(obj, name, prior)
+        """Newest first; finished whatever is raised meanwhile (uninterrupted.each)."""
+        saved, self._saved = self._saved[::-1], []
+        each(saved, _put_back)
 
     def __bool__(self) -> bool:
         return bool(self._saved)
+
+
+def _put_back(saved) -> None:
+    ref, name, prior = saved
+    obj = ref()
+    if obj is None:
+        return
+    if prior is _MISSING:
+        obj.__dict__.pop(name, None)
+    else:
+        setattr(obj, name, prior)
 
 
 @contextlib.contextmanager

@@ -17,6 +17,7 @@ from ...errors import BridgeFGOError
 from ...log import once, rank_prefix
 from .. import construction, copies as copies_mod
 from ..tensors import MASTER, Bindings, Entry, aligned, owns_storage, same
+from ..uninterrupted import each
 from .plan import Part, Plan
 
 WARM_BYTES = 32 * 2**20  # the first DMA pass's GPU scratch: small, it adds to the setup peak
@@ -260,12 +261,15 @@ class Transfers:
                     e.param.data = view
             yield views
         finally:
-            if write_back and priors:
-                after = [self.copies.compute_event()]
-                for (e, view), prior in zip(views, priors):
-                    self.tail = self.copies.copy("d2h", e.host, view, after)
-                    e.param.data = prior
-            self.copies.retire(scratch)  # reused only after the copies that read or wrote it
+            try:
+                if write_back and priors:
+                    after = [self.copies.compute_event()]
+                    for (e, view), prior in zip(views, priors):
+                        self.tail = self.copies.copy("d2h", e.host, view, after)
+                    # every master off the scratch, which is retired next, an interrupt included
+                    each(list(zip(views, priors)), _bind_prior)
+            finally:
+                self.copies.retire(scratch)  # reused only after the copies that read or wrote it
 
     @staticmethod
     def views(chunk, slot) -> List[tuple]:
@@ -283,6 +287,11 @@ class Transfers:
             with self.host_wait:
                 self.copies.host_wait_all()
         self.tail = None
+
+
+def _bind_prior(pair) -> None:
+    (e, _), prior = pair
+    e.param.data = prior
 
 
 def keep(part: Part, b: Bindings, e: Entry, view) -> None:
