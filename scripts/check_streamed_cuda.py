@@ -93,7 +93,7 @@ def main():
                         engine = StreamedEngine([opt], chunk, budget)
                     engine.prepare()
                     if kind.startswith("ring"):
-                        engine._window_at(chunk, 4)
+                        engine.fitting.window_at(chunk, 4)
                 for _ in range(4):
                     if engine:
                         engine.offload()

@@ -90,7 +90,7 @@ def test_chunks_come_in_during_the_last_backward_within_the_curve_and_stay_exact
     monkeypatch.setattr(head_mod, "_microbatches", lambda: 2)
     base, opt = make(**OPTIMIZERS[kind]), make(**OPTIMIZERS[kind])
     engine = engine_for(opt, 600)
-    engine._window_at(600, 4)
+    engine.fitting.window_at(600, 4)
     sizes = [s.nbytes for s in engine.transfers.window.slots]
     assert len(engine.chunks) > 4 and len(sizes) == 4
     # hooks per backward: 3. Memory frees as the last backward goes on; the curve leaves room for one
@@ -128,7 +128,7 @@ def test_a_step_off_the_curve_prefetches_no_more(monkeypatch):
     monkeypatch.setattr(head_mod, "_microbatches", lambda: 1)
     opt = make()
     engine = engine_for(opt, 600)
-    engine._window_at(600, 4)
+    engine.fitting.window_at(600, 4)
     curve = Curve(at=[50_000, 40_000], ahead=[0, 0], first=0, hooks=2, microbatches=1)
     box = armed_head(engine, curve, 10**9)
     engine.offload()
@@ -150,7 +150,7 @@ def test_a_different_hook_count_turns_the_head_off_and_says_so(monkeypatch, capl
     monkeypatch.setattr(head_mod, "_microbatches", lambda: 1)
     opt = make()
     engine = engine_for(opt, 600)
-    engine._window_at(600, 4)
+    engine.fitting.window_at(600, 4)
     armed_head(engine, Curve(at=[0, 0], ahead=[0, 0], first=0, hooks=2, microbatches=1), 10**9)
     engine.offload()
     engine.release()
@@ -168,7 +168,7 @@ def test_chunks_copied_in_for_a_step_that_never_came_are_dropped(monkeypatch):
     monkeypatch.setattr(head_mod, "_microbatches", lambda: 1)
     base, opt = make(), make()
     engine = engine_for(opt, 600)
-    engine._window_at(600, 4)
+    engine.fitting.window_at(600, 4)
     curve = Curve(at=[0], ahead=[0], first=0, hooks=1, microbatches=1)
     armed_head(engine, curve, 10**9)
     engine.offload()
@@ -210,7 +210,7 @@ def test_a_failing_prefetch_never_fails_backward(monkeypatch, caplog):
     monkeypatch.setattr(head_mod, "_microbatches", lambda: 1)
     base, opt = make(), make()
     engine = engine_for(opt, 600)
-    engine._window_at(600, 4)
+    engine.fitting.window_at(600, 4)
     armed_head(engine, Curve(at=[0], ahead=[0], first=0, hooks=1, microbatches=1), 10**9)
 
     def no_memory(*a, **k):
@@ -320,7 +320,7 @@ def test_a_step_of_another_microbatch_count_prefetches_nothing_and_says_so_once(
     monkeypatch.setattr(head_mod, "_microbatches", lambda: count["n"])
     base, opt = make(), make()
     engine = engine_for(opt, 600)
-    engine._window_at(600, 4)
+    engine.fitting.window_at(600, 4)
     armed_head(engine, Curve(at=[0], ahead=[0], first=0, hooks=1, microbatches=1), 10**9)
     with caplog.at_level(logging.INFO, logger="bridge_fgo"):
         for n in (2, 2, 1):  # a ramp: two steps of 2 microbatches, then the measured shape again

@@ -282,4 +282,56 @@ def test_the_states_a_budget_keeps_are_updated_in_chunk_sized_pieces(kind, monke
     passes = calls[-len(engine.parts[0].resident_pieces(600)):]
     assert len(passes) > 1 and all(n <= 600 or n == max(bd.nbytes for bd in bundles) for n in passes)
     assert sum(passes) == sum(bd.nbytes for bd in bundles)
-    assert engine._window_at(600)[1] == engine.parts[0].largest_piece(600) == max(passes)
+    assert engine.fitting.window_at(600)[1] == engine.parts[0].largest_piece(600) == max(passes)
+
+
+# -- the first step's window (chunk_mb=auto) ------------------------------------------------------------------------
+def test_the_first_window_stays_where_it_fits():
+    first = FirstStep(before=5 * GIB, backward=10 * GIB, base=4 * GIB)
+    assert sizing.first(window_of, first, 256 * MIB) == (256 * MIB, "")
+    assert sizing.first(window_of, FirstStep(), 256 * MIB) == (256 * MIB, "")  # nothing measured: as it starts
+
+
+def test_the_first_window_shrinks_under_the_runs_peak_so_far():
+    """Full recomputation: forward-backward is small, setup set the run's peak; 300 MiB of headroom hold two
+    slots of 128 MB chunks and the contract's scratch (torch's foreach: half a chunk), not of 256 MB."""
+    first = FirstStep(before=7 * GIB, backward=7 * GIB, base=7 * GIB - margin(7 * GIB) - 300 * MIB,
+                      scratch_per_byte=0.5)
+    size, why = sizing.first(window_of, first, 256 * MIB)
+    assert size == 96 * MIB and sizing.fits(window_of, first, size, 2)
+    assert not sizing.fits(window_of, first, size + sizing.STEP_MB * MIB, 2)
+    assert "96 MB chunks, not 256" in why and "would raise the run's peak so far" in why
+
+
+def test_the_first_window_takes_the_least_where_nothing_fits():
+    first = FirstStep(before=7 * GIB, backward=7 * GIB, base=7 * GIB)
+    size, why = sizing.first(window_of, first, 256 * MIB)
+    assert size == sizing.MIN_CHUNK_MB * MIB and "the least: even those raise the run's peak" in why
+
+
+def test_the_engines_first_step_fits_under_the_runs_peak_and_the_window_stays_there(small_units, caplog):
+    """The engine's first streamed step, chunk_mb=auto: re-cut at gradient finalization to fit the headroom the
+    run's peak so far leaves (full recomputation: setup set it), exact; after it the window grows no further,
+    the step having set no higher peak to grow into."""
+    base, opt = make(), make()
+    engine = engine_for(opt, 4096, auto=True)
+    assert len(engine.chunks) == 1  # 4096 "MB" hold every state: the first window would be all of them
+    scratch = engine.parts[0].contract.step_scratch  # torch's foreach temporaries
+    window, largest, _ = engine.fitting.window_at(4096, 2)
+    room = window + int(scratch * largest) - 1  # one byte short of it
+    bound = GIB
+    engine.probe = measured(before=bound, backward=bound, base=bound - margin(bound) - room, step=bound)
+    with caplog.at_level(logging.INFO, logger="bridge_fgo"):
+        step(base)
+        step(opt, engine)
+        assert_same(snapshot(base), snapshot(opt))
+    first = engine.probe.first
+    assert first.window + int(scratch * first.largest_chunk) <= room and len(engine.chunks) > 1
+    assert any("the first step's window: " in m and "not 4096" in m for m in caplog.messages)
+    first_size = engine.plan.chunk_bytes
+    for _ in range(2):
+        step(base)
+        step(opt, engine)
+        assert_same(snapshot(base), snapshot(opt))
+    assert engine.plan.chunk_bytes == first_size and engine.window_bytes == first.window
+    assert f"{first_size} MB, 2 slots" in engine.window_note

@@ -175,6 +175,7 @@ class BuiltinAdapter:
         if self.chunk_mb:
             exposed = e.copies.exposed_s if e.copies is not None else []
             out.update(chunks=len(e.chunks), chunk_bytes=e.plan.chunk_bytes, window=e.window_note,
+                       first_window=e.fitting.first_note,
                        slots=len(e.transfers.window.slots) if e.transfers.window is not None else e.plan.slots,
                        prefetch=e.head.describe(),
                        prefetched_chunks=e.head.prefetched,

@@ -19,27 +19,48 @@ from ..options import FIRST_CHUNK_MB
 from .firststep import FirstStep
 
 MIB = 2**20
+GIB = 2**30
 MAX_CHUNK_MB = 1024
+MIN_CHUNK_MB = 16  # the first step's least: smaller chunks cost more per byte than they save
 STEP_MB = 32  # the sizes tried, from the cap down
 
 
 WindowOf = Callable[[int, int], Tuple[int, int, int]]
 
 
-def choose(window_of: WindowOf, first: FirstStep, total: int) -> Tuple[int, int, str]:
+def first(window_of: WindowOf, first: FirstStep, start: int) -> Tuple[int, str]:
+    """The first step's chunk bytes (two slots) and why: `start` where its window and the optimizer's
+    scratch (the contract's) fit the headroom, else the largest size down to MIN_CHUNK_MB that does,
+    else MIN_CHUNK_MB."""
+    if not first.measured or fits(window_of, first, start, 2):
+        return start, ""
+    least = min(start, MIN_CHUNK_MB * MIB)
+    size = start
+    while size > least:
+        size = max(least, size - STEP_MB * MIB if size > STEP_MB * MIB else size // 2)
+        if fits(window_of, first, size, 2):
+            return size, (f"{size / MIB:.0f} MB chunks, not {start / MIB:.0f}: two slots of those would raise the "
+                          f"run's peak so far ({first.headroom() / MIB:.0f} MiB of headroom over "
+                          f"{first.base / GIB:.2f} GiB allocated, under {first.backward / GIB:.2f} GiB)")
+    return least, (f"{least / MIB:.0f} MB chunks, the least: even those raise the run's peak so far "
+                   f"({first.headroom() / MIB:.0f} MiB of headroom over {first.base / GIB:.2f} GiB allocated, under "
+                   f"{first.backward / GIB:.2f} GiB)")
+
+
+def choose(window_of: WindowOf, first: FirstStep, total: int, floor: int = FIRST_CHUNK_MB * MIB) -> Tuple[int, int, str]:
     """(chunk bytes, slots, why). window_of(chunk_bytes, slots) -> (window bytes, largest chunk, chunks)
-    of the plan cut at that size; total: the bytes streamed each way."""
-    floor = FIRST_CHUNK_MB * MIB
+    of the plan cut at that size; total: the bytes streamed each way; floor: the first step's chunk
+    size, the least chosen."""
     if not first.measured:
-        return floor, 2, f"{FIRST_CHUNK_MB} MB: nothing measured (no GPU)"
-    if total <= floor:
-        return floor, 2, f"{FIRST_CHUNK_MB} MB: the states fit in one chunk"
+        return floor, 2, f"{floor / MIB:.0f} MB: nothing measured (no GPU)"
+    if total <= floor and window_of(floor, 2)[2] <= 1:
+        return floor, 2, f"{floor / MIB:.0f} MB: the states fit in one chunk"
     room = first.headroom()
     size = max(floor, min(MAX_CHUNK_MB * MIB, total))
     while size > floor and not fits(window_of, first, size, 2):
         size = max(floor, size - STEP_MB * MIB)
     if size == floor and not fits(window_of, first, size, 2):
-        return floor, 2, (f"{FIRST_CHUNK_MB} MB, the least: a larger window would raise the peak "
+        return floor, 2, (f"{floor / MIB:.0f} MB, the least: a larger window would raise the peak "
                           f"({room / MIB:.0f} MiB of headroom); {first.describe()}")
     n = slots(window_of, first, size)
     return size, n, (f"{size / MIB:.0f} MB, {n} slots, the window {window_of(size, n)[0] / MIB:.0f} MiB "

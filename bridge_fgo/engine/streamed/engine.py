@@ -22,9 +22,8 @@ from typing import Optional
 
 from ...errors import BridgeFGOError
 from ...log import logger, rank_prefix
-from .. import budget, firststep, sizing
-from ..firststep import margin
 from ..tensors import same
+from .fitting import Fitting
 from .head import Head
 from .norms import Norms
 from .plan import Plan
@@ -32,9 +31,6 @@ from .qkclip import QKClip
 from .readers import TORN_FIX, Readers
 from .transfers import Transfers
 from .update import Update
-
-GiB = 2**30
-MIB = 2**20
 
 
 def _weakly(method):
@@ -61,11 +57,7 @@ class StreamedEngine:
         self.qk = QKClip(self.plan, self.transfers, self.norms)
         self.update = Update(self.plan, self.transfers, self.readers, _weakly(self.synchronize), self.norms, self.qk)
         self.head = Head(self.plan, self.transfers)
-        self.budget_bytes = budget_bytes
-        self.budget_note: Optional[str] = None
-        self.auto = auto  # chunk_mb=auto: the window sized after the first step (sizing.py)
-        self.window_note: Optional[str] = None
-        self.probe = firststep.Probe()
+        self.fitting = Fitting(self.plan, self.transfers, self.head, budget_bytes, auto)
         self.setup_peak: Optional[int] = None
         self.steps_streamed = 0
 
@@ -82,6 +74,17 @@ class StreamedEngine:
     buffer = property(lambda self: self.transfers.buffer)
     host_wait = property(lambda self: self.transfers.host_wait)
     torn = property(lambda self: self.readers.torn)
+    auto = property(lambda self: self.fitting.auto)
+    budget_note = property(lambda self: self.fitting.budget_note)
+    window_note = property(lambda self: self.fitting.window_note)
+
+    @property
+    def probe(self):
+        return self.fitting.probe
+
+    @probe.setter
+    def probe(self, probe) -> None:  # what a test gives in place of a GPU's figures
+        self.fitting.probe = probe
 
     @property
     def states_after_load(self) -> bool:
@@ -177,6 +180,7 @@ class StreamedEngine:
         self.readers.drop_guards()  # the update's own copies are ordered after the tail on the GPU
         self.head.end_step()
         self.probe.at_reload(self.device)
+        self.fitting.first_window()  # the first step's window under the run's peak so far (chunk_mb=auto)
         self.update.arm()
         return self.bytes
 
@@ -218,7 +222,7 @@ class StreamedEngine:
         if self.torn is not None or (not wait and t.tail is not None and was_armed):
             self.readers.guard()
         if self.steps_streamed == 1 and not self.probe.done:
-            self._after_first_step()
+            self.fitting.after_first_step(self.synchronize)
 
     def synchronize(self) -> None:
         """The host copy is whole and current: wait for every copy in flight."""
@@ -231,85 +235,6 @@ class StreamedEngine:
                 f"waiting for the last update's device-to-host copies failed ({type(exc).__name__}: {exc}), so "
                 "the optimizer states are torn: their host copy is part of that step, part of the one before"))
         self.readers.drop_guards()
-
-    # -- after the first step: the memory budget, the window ---------------------------------------
-    def _after_first_step(self) -> None:
-        """Once: gpu_budget_gib's resident states, then (chunk_mb=auto) the window, then the prefetch
-        during backward, from what the first streamed step measured (firststep.py, head.py)."""
-        first = self.probe.at_step_end(self.device, self.window_bytes, max((c.nbytes for c in self.chunks), default=0),
-                                       max((p.contract.step_scratch for p in self.parts), default=0.0))
-        if self.budget_bytes is not None:
-            self._apply_budget(first)
-        if self.auto or first.measured:
-            if self.auto:
-                size, slots, why = sizing.choose(self._window_at, first, self.bytes)
-            else:  # the chunk size as given; the slots as the headroom allows
-                size = self.plan.chunk_bytes
-                slots = sizing.slots(self._window_at, first, size)
-                fits = sizing.fits(self._window_at, first, size, slots)
-                why = (f"{size / MIB:.0f} MB as chunk_mb gives, {slots} slots "
-                       f"{'within the headroom' if fits else '(the least: even two exceed the headroom)'}; "
-                       f"{first.describe()}")
-            self._window_at(size, slots)
-            self.window_note = (f"window sized from the first step: {why}. {len(self.chunks)} chunk(s), the step adds "
-                                f"at most {self.window_bytes} bytes on the GPU")
-            logger.info("%s%s", rank_prefix(), self.window_note)
-        if first.measured:  # under the run's peak through the first step: the step's where it set it (recompute)
-            bound = budget.peak(first)
-            self.head.enable(bound - margin(bound), self.resident_bytes)
-            if self.head.state == "on":
-                logger.info("%s%s", rank_prefix(), self.head.describe())
-
-    def _window_at(self, chunk_bytes: int, slots: int = 2):
-        """The plan cut into chunks of at most chunk_bytes, with a window of `slots` slots for them:
-        (window bytes, largest pass: a chunk or a piece of the resident states, chunks). Between updates
-        only (the old window's memory is retired after its copies)."""
-        self.plan.chunk_bytes, self.plan.slots = chunk_bytes, slots
-        self.plan.cut()
-        self.transfers.new_window()
-        window, largest = self.plan.window_if()
-        return window, largest, len(self.chunks)
-
-    def _apply_budget(self, first) -> None:
-        """Keep resident as many bundles as fit under the budget."""
-        def step_with(kept) -> int:  # the step's peak were `kept` resident: its window shrinks with them
-            window, largest = self.plan.window_if({id(b) for b in kept})
-            return first.base + window + first.scratch(largest)
-
-        kept = budget.choose([bd for part in self.parts for bd in part.bundles], self.budget_bytes, first, step_with,
-                             self.plan.chunk_bytes)
-        basis = (f"the run's allocated peak with everything offloaded {budget.peak(first) / GiB:.2f} GiB"
-                 if first.measured else "nothing measured (no GPU)")
-        if kept and first.measured:
-            basis += f", planned with them {budget.planned(first, kept, step_with) / GiB:.2f} GiB"
-        if kept is None:
-            self.budget_note = (f"gpu_budget_gib {self.budget_bytes / GiB:.2f} GiB cannot be met: {basis}; "
-                                "everything stays offloaded")
-            logger.warning("%s%s", rank_prefix(), self.budget_note)
-            return
-        self.synchronize()
-        try:
-            for bundle in kept:
-                part = self.parts[bundle.part]
-                b = part.bindings
-                moved = []
-                try:
-                    for e in bundle.entries:
-                        if not e.dropped and b.get(e) is not None:
-                            self.transfers.to_device(part, b, e)
-                            moved.append(e)
-                except BaseException:  # (out of GPU memory): this bundle goes back whole, the others stay
-                    for e in moved:
-                        self.transfers.take(part, b, e, b.get(e))
-                    raise
-                bundle.resident = True  # only once all of it is on the GPU
-        finally:
-            self._window_at(self.plan.chunk_bytes, self.plan.slots)  # the chunks: what is not resident
-        self.budget_note = (f"gpu_budget_gib {self.budget_bytes / GiB:.2f} GiB, {basis}: "
-                            f"{len(kept)} parameter(s) keep their states on the GPU "
-                            f"({self.resident_bytes / GiB:.2f} GiB), {self.bytes / GiB:.2f} GiB move each way per "
-                            "step")
-        logger.info("%s%s", rank_prefix(), self.budget_note)
 
     # -- after training ---------------------------------------------------------------------------
     def states_on(self) -> str:
