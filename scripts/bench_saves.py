@@ -133,7 +133,8 @@ def expand(runs, kinds, every, out_dir):
         for kind in kinds:
             tag = f"{run['tag']}_{kind}"
             extra = ["--save", os.path.join(out_dir, f"ckpt_{tag}"), "--save-interval", str(every)]
-            out.append({**run, "tag": tag, "save": kind, "args": [*run["args"], *extra]
+            out.append({**run, "tag": tag, "group": f"{run.get('group', run['tag'])}_{kind}", "save": kind,
+                        "args": [*run["args"], *extra]
                         + (["--async-save"] if kind == "async" else [])})
     return out
 

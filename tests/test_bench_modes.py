@@ -4,31 +4,36 @@ without it)."""
 import importlib
 import os
 import subprocess
+import types
 import sys
 
 import pytest
 
 SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
 sys.path.insert(0, SCRIPTS)
-bench = importlib.import_module("bench_offload")
+bench_offload = importlib.import_module("bench_offload")
+bench_modes = importlib.import_module("bench_modes")
+bench_checks = importlib.import_module("bench_checks")
+bench_workload = importlib.import_module("bench_workload")
+bench_run = importlib.import_module("bench_run")
 bench_imports = importlib.import_module("bench_imports")
 
 
 def test_imports_without_torch():
-    code = ("import sys; import bench_offload, bench_saves; "
+    code = ("import sys; import bench_offload, bench_saves, bench_run, bench_workload, bench_checks, bench_modes; "
             "assert 'torch' not in sys.modules and 'megatron' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=SCRIPTS)
 
 
 def test_plain_modes_keep_their_tags():
-    runs = bench.parse_modes("base,builtin:0,builtin:256,dev-base,dev-auto:256")
+    runs = bench_modes.parse_modes("base,builtin:0,builtin:256,dev-base,dev-auto:256")
     assert [r["tag"] for r in runs] == ["base", "builtin0", "builtin256", "dev-base", "dev-auto256"]
     assert [(r["mode"], r["chunk_mb"], r["dev"]) for r in runs][-1] == ("auto", 256, True)
     assert all(r["env"] == {} and r["args"] == [] for r in runs)
 
 
 def test_budget_and_fraction():
-    budget, fraction = bench.parse_modes("builtin:256+budget=16.2,dev-auto:256+fraction=0.5")
+    budget, fraction = bench_modes.parse_modes("builtin:256+budget=16.2,dev-auto:256+fraction=0.5")
     assert budget["tag"] == "builtin256_budget16.2"
     assert budget["env"] == {"BRIDGE_FGO_GPU_BUDGET_GIB": "16.2"} and budget["args"] == []
     assert fraction["tag"] == "dev-auto256_fraction0.5"
@@ -37,9 +42,9 @@ def test_budget_and_fraction():
 
 
 def test_repeats_are_numbered_and_tags_file_safe():
-    runs = bench.parse_modes("base,builtin:256+budget=12,base,builtin:256+budget=12")
+    runs = bench_modes.parse_modes("base,builtin:256+budget=12,base,builtin:256+budget=12")
     assert [r["tag"] for r in runs] == ["base_0", "builtin256_budget12_1", "base_2", "builtin256_budget12_3"]
-    assert all(bench._TAG.fullmatch(r["tag"]) for r in runs)
+    assert all(bench_modes._TAG.fullmatch(r["tag"]) for r in runs)
 
 
 @pytest.mark.parametrize("text", [
@@ -49,7 +54,7 @@ def test_repeats_are_numbered_and_tags_file_safe():
 ])
 def test_bad_modes_are_refused(text):
     with pytest.raises(ValueError):
-        bench.parse_modes(text)
+        bench_modes.parse_modes(text)
 
 
 def summary(step, peak, **kw):
@@ -62,12 +67,12 @@ def summary(step, peak, **kw):
 
 
 def test_checks_report_budget_and_chunked_line():
-    runs = bench.parse_modes("base,builtin:256,builtin:256+budget=16.2,dev-base,dev-auto:256,"
+    runs = bench_modes.parse_modes("base,builtin:256,builtin:256+budget=16.2,dev-base,dev-auto:256,"
                              "dev-auto:256+fraction=0.5")
     results = {"base": summary(0.6, 20.0), "builtin256": summary(1.0, 10.0),
                "builtin256_budget16.2": summary(0.8, 16.0), "dev-base": summary(0.6, 20.0),
                "dev-auto256": summary(1.1, 11.0), "dev-auto256_fraction0.5": summary(0.9, 15.0)}
-    c = bench.checks(results, 256, {r["tag"]: r["extras"] for r in runs})
+    c = bench_checks.checks(results, 256, {r["tag"]: r["extras"] for r in runs})
     b = c["budget_runs"]["builtin256_budget16.2"]
     assert b["budget_gib"] == 16.2 and b["peak_within_budget"] and not b["run_peak_within_budget"]
     assert b["overhead_over_streamed"] == pytest.approx(0.2 / 0.4)
@@ -79,12 +84,12 @@ def test_checks_report_budget_and_chunked_line():
 
 
 def test_checks_without_base_still_report_runs():
-    c = bench.checks({"builtin256": summary(1.0, 10.0)}, 256)
+    c = bench_checks.checks({"builtin256": summary(1.0, 10.0)}, 256)
     assert c["whole_iteration_peak_gib"] == {"builtin256": 10.0} and "builtin_overhead_s" not in c
 
 
 def test_peak_line_puts_the_whole_iteration_peak_first():
-    line = bench.peak_line("base", summary(0.6, 20.0, first_iter_peak_gib=19.0, resume_peak_gib=None))
+    line = bench_checks.peak_line("base", summary(0.6, 20.0, first_iter_peak_gib=19.0, resume_peak_gib=None))
     assert line.startswith("base: iteration peak 20.00 GiB (run 20.50, setup 3.00, first iteration 19.00)")
 
 
@@ -94,12 +99,12 @@ def _optimizer(module):
 
 
 def test_check_optimizer():
-    assert bench.check_optimizer(_optimizer("transformer_engine.pytorch.optimizers.fused_adam"), "te") == \
+    assert bench_workload.check_optimizer(_optimizer("transformer_engine.pytorch.optimizers.fused_adam"), "te") == \
         "transformer_engine.pytorch.optimizers.fused_adam.FusedAdam"
     chained = type("Chained", (), {"chained_optimizers": [_optimizer("apex.optimizers.fused_adam")] * 2})()
-    assert bench.check_optimizer(chained, "apex") == "apex.optimizers.fused_adam.FusedAdam"
+    assert bench_workload.check_optimizer(chained, "apex") == "apex.optimizers.fused_adam.FusedAdam"
     with pytest.raises(RuntimeError, match="expected a class from torch.optim"):
-        bench.check_optimizer(_optimizer("apex.optimizers.fused_adam"), "torch")
+        bench_workload.check_optimizer(_optimizer("apex.optimizers.fused_adam"), "torch")
 
 
 def test_blocker_hides_an_installed_package(tmp_path, monkeypatch):
@@ -123,37 +128,37 @@ def test_stacks_hide_the_other_optimizers():
 
 
 def test_symbolic_budget_and_fraction_come_from_the_runs_before():
-    runs = bench.parse_modes("base,builtin:256,builtin:256+budget=half,dev-auto:256+fraction=moved")
+    runs = bench_modes.parse_modes("base,builtin:256,builtin:256+budget=half,dev-auto:256+fraction=moved")
     results = {"base": {"steady_iter_peak_gib": 20.0}, "builtin256": {"steady_iter_peak_gib": 10.0}}
-    assert not bench.resolve_symbolic(runs[3], results, 256)  # no budget run yet
-    assert bench.resolve_symbolic(runs[2], results, 256)
+    assert not bench_modes.resolve_symbolic(runs[3], results, 256)  # no budget run yet
+    assert bench_modes.resolve_symbolic(runs[2], results, 256)
     assert runs[2]["env"] == {"BRIDGE_FGO_GPU_BUDGET_GIB": "15.000"} and runs[2]["extras"]["budget"] == "15.000"
     results["builtin256_budgethalf"] = {"sessions": [{"bytes": 3 * 2**30, "resident_bytes": 2**30}]}
-    assert bench.resolve_symbolic(runs[3], results, 256)
+    assert bench_modes.resolve_symbolic(runs[3], results, 256)
     assert runs[3]["args"] == ["--offload-fraction", "0.7500"]
     with pytest.raises(ValueError, match="or half"):
-        bench.parse_modes("builtin:256+budget=quarter")
+        bench_modes.parse_modes("builtin:256+budget=quarter")
 
 
 def test_activation_offload_is_a_switch_on_base_and_builtin():
-    runs = bench.parse_modes("base,base+act=1,builtin,builtin+act=1")
+    runs = bench_modes.parse_modes("base,base+act=1,builtin,builtin+act=1")
     assert [(r["tag"], r["args"]) for r in runs] == [("base", []), ("base_act", ["--act-offload"]),
                                                       ("builtin", []), ("builtin_act", ["--act-offload"])]
     for bad in ("builtin+act=2", "dev-auto:256+act=1", "builtin+act"):
         with pytest.raises(ValueError):
-            bench.parse_modes(bad)
+            bench_modes.parse_modes(bad)
 
 
 def test_checks_judge_the_four_activation_offload_cases_and_the_auto_window():
     results = {"base": summary(0.6, 20.0), "base_act": summary(0.7, 16.0), "builtin": summary(0.8, 10.0),
                "builtin_act": summary(0.85, 6.2)}
-    c = bench.checks(results, "auto")
+    c = bench_checks.checks(results, "auto")
     a = c["activation_offload"]
     assert a["both_expected_gib"] == pytest.approx(6.0) and a["both_within_5pct_of_additive"]
     assert a["overhead_s"]["both"] == pytest.approx(0.25) and a["both_overhead_at_most_sum"]
     assert c["builtin_overhead_s"] == pytest.approx(0.2)  # the auto window is the streamed run judged
     results["builtin_act"] = summary(1.2, 7.0)
-    a = bench.checks(results, "auto")["activation_offload"]
+    a = bench_checks.checks(results, "auto")["activation_offload"]
     assert not a["both_within_5pct_of_additive"] and not a["both_overhead_at_most_sum"]
 
 
@@ -161,17 +166,17 @@ def test_checks_compare_the_logged_parameter_norms_with_the_base_runs():
     results = {"base": summary(0.6, 20.0, params_norms=[100.0, 101.0]),
                "builtin": summary(0.8, 10.0, params_norms=[100.0, 101.0 * (1 + 2e-7)]),
                "builtin256": summary(0.8, 10.0, params_norms=[100.0, 101.0])}
-    n = bench.checks(results, "auto")["params_norm"]
+    n = bench_checks.checks(results, "auto")["params_norm"]
     assert n["builtin256"] == {"identical": True, "largest_relative_difference": 0.0}
     assert not n["builtin"]["identical"] and n["builtin"]["largest_relative_difference"] == pytest.approx(2e-7)
 
 
 def test_the_out_folder_is_made_before_the_run(tmp_path):
     out = tmp_path / "prof" / "deeper" / "builtin.json"
-    bench.prepare_out(str(out))
+    bench_run.prepare_out(str(out))
     assert out.parent.is_dir()
-    bench.prepare_out(str(out))  # already there
-    bench.prepare_out(None)
+    bench_run.prepare_out(str(out))  # already there
+    bench_run.prepare_out(None)
 
 
 def test_trace_streams_finds_where_the_compute_stream_waited(tmp_path):
@@ -194,3 +199,74 @@ def test_trace_streams_finds_where_the_compute_stream_waited(tmp_path):
     assert out["copies"] == {"h2d": 1, "d2h": 1} and out["GBps"] == {"h2d": 1.0, "d2h": 2.0}
     assert out["compute"] == {"span_ms": 2.3, "idle_ms": 2.0, "idle_in_gaps_over_ms": {"0.5": 2.0},
                               "largest_gaps": [{"at_ms": 0.2, "ms": 2.0, "copies": ["h2d"]}]}
+
+
+# -- Megatron-Core's CPU optimizer beside the streamed step (issue 35) ----------------------------------------------
+def test_the_cpu_mode_and_its_fraction():
+    runs = bench_modes.parse_modes("cpu,cpu+fraction=0.5,builtin,cpu")
+    assert [r["tag"] for r in runs] == ["cpu_0", "cpu_fraction0.5", "builtin", "cpu_3"]
+    assert runs[1]["args"] == ["--offload-fraction", "0.5"] and [r["group"] for r in runs] == [
+        "cpu", "cpu+fraction=0.5", "builtin", "cpu"]
+    with pytest.raises(ValueError, match="budget= applies to mode builtin, not cpu"):
+        bench_modes.parse_modes("cpu+budget=3")
+
+
+def test_the_cpu_mode_builds_megatron_cores_cpu_optimizer_config():
+    """The run's Bridge configuration (no GPU needed to build it): optimizer_cpu_offload with the fraction given
+    (1.0 by default) and the copies overlapped; the batch as given."""
+    ap = bench_offload.parser()
+    args = ap.parse_args(["run", "--mode", "cpu", "--offload-fraction", "0.5", "--global-batch", "8",
+                          "--seq-length", "2048", "--micro-batch", "1"])
+    cfg, opt, _, dp, _ = bench_workload.build(args)
+    assert (opt.optimizer_cpu_offload, opt.optimizer_offload_fraction, opt.overlap_cpu_optimizer_d2h_h2d) == (True, 0.5, True)
+    assert cfg.train.global_batch_size == 8 and cfg.model.seq_length == 2048 and cfg.dataset.seq_length == 2048
+    _, opt, _, _, _ = bench_workload.build(ap.parse_args(["run", "--mode", "cpu"]))
+    assert opt.optimizer_cpu_offload and opt.optimizer_offload_fraction == 1.0
+    _, opt, _, _, _ = bench_workload.build(ap.parse_args(["run", "--mode", "base"]))
+    assert not opt.optimizer_cpu_offload
+    with pytest.raises(SystemExit):
+        ap.parse_args(["run", "--mode", "cpu", "--offload-fraction", "0.5", "--optimizer", "nope"])
+
+
+def test_check_optimizer_knows_megatron_cores_cpu_optimizer():
+    class HybridDeviceOptimizer:
+        pass
+
+    HybridDeviceOptimizer.__module__ = "megatron.core.optimizer.cpu_offloading.hybrid_optimizer"
+    wrapped = types.SimpleNamespace(optimizer=HybridDeviceOptimizer())
+    assert bench_workload.check_optimizer(wrapped, "torch", cpu=True).endswith(".HybridDeviceOptimizer")
+    with pytest.raises(RuntimeError, match="--mode cpu: Megatron-Core built"):
+        bench_workload.check_optimizer(types.SimpleNamespace(optimizer=object()), "torch", cpu=True)
+
+
+def run_summary(step, losses, peak, post=0.2, sha="a"):
+    return {"steady_step_median_s": step, "losses": losses, "run_peak_gib": peak, "steady_iter_peak_gib": peak,
+            "setup_peak_gib": 1.0, "steady_fwdbwd_peak_gib": peak, "first_iter_s": 2.0, "inner_optimizer": "x",
+            "final_params_sha256": sha, "steady_pre_median_s": 0.01, "steady_fwdbwd_median_s": step - 0.21,
+            "steady_post_median_s": post}
+
+
+def test_modes_given_several_times_are_judged_by_their_medians_and_the_cpu_optimizer_beside():
+    runs = {"base_0": run_summary(1.0, [3.0, 2.5, 2.0], 20), "builtin_1": run_summary(1.2, [3.0, 2.5, 2.0], 10, 0.4),
+            "cpu_2": run_summary(1.3, [3.0, 2.5, 2.1], 14, 0.5, "b"), "base_3": run_summary(1.1, [3.0, 2.5, 2.0], 20),
+            "builtin_4": run_summary(1.25, [3.0, 2.5, 2.0], 10.5, 0.41), "cpu_5": run_summary(1.28, [3.0, 2.6, 2.1], 14, 0.5, "b")}
+    groups = {t: t.rsplit("_", 1)[0] for t in runs}
+    modes = bench_checks.by_mode(runs, groups)
+    assert modes["base"]["runs"] == 2 and modes["base"]["step_median_s"] == pytest.approx(1.05)
+    assert modes["builtin"]["overhead_s"] == pytest.approx(0.175) and modes["builtin"]["step_spread_s"] == [1.2, 1.25]
+    assert modes["builtin"]["overhead_share_of_step"] == pytest.approx(0.175 / 1.05)
+    assert modes["builtin"]["post_overhead_s"] == pytest.approx(0.205)
+    assert modes["builtin"]["first_loss_difference_iter"] is None and modes["builtin"]["final_params_identical"]
+    assert modes["cpu"]["first_loss_difference_iter"] == 2 and not modes["cpu"]["final_params_identical"]
+    assert modes["builtin"]["run_peak_gib"] == 10.5
+    peer = bench_checks.against_cpu_optimizer(modes, "auto")["cpu"]
+    assert peer["overhead_ratio"] == pytest.approx(0.175 / 0.24) and peer["run_peak_ratio"] == pytest.approx(10.5 / 14)
+    assert peer["cpu_first_loss_difference_iter"] == 2 and peer["streamed_first_loss_difference_iter"] is None
+    out = bench_checks.checks(runs, "auto", {}, groups)
+    assert out["by_mode"] == modes and out["against_cpu_optimizer"]["cpu"] == peer
+
+
+def test_first_divergence():
+    assert bench_checks.first_divergence([1.0, 2.0], [1.0, 2.0]) is None
+    assert bench_checks.first_divergence([1.0, 2.5], [1.0, 2.0]) == 2
+    assert bench_checks.first_divergence([1.0], [1.0, 2.0]) == 2

@@ -9,19 +9,19 @@ import types
 
 import pytest
 
-from test_bench_modes import bench  # scripts/ is on sys.path from here on
+from test_bench_modes import bench_modes, bench_offload  # scripts/ is on sys.path from here on
 
 saves = importlib.import_module("bench_saves")
 check_checkpoint = importlib.import_module("check_checkpoint")
 
 
 def test_every_mode_runs_once_per_save_kind():
-    runs = saves.expand(bench.parse_modes("base,builtin:256"), saves.parse_kinds("sync,async"), 4, "/out")
+    runs = saves.expand(bench_modes.parse_modes("base,builtin:256"), saves.parse_kinds("sync,async"), 4, "/out")
     assert [r["tag"] for r in runs] == ["base_sync", "base_async", "builtin256_sync", "builtin256_async"]
     assert runs[1]["args"] == ["--save", "/out/ckpt_base_async", "--save-interval", "4", "--async-save"]
     assert runs[2]["args"] == ["--save", "/out/ckpt_builtin256_sync", "--save-interval", "4"]
     assert [r["save"] for r in runs] == ["sync", "async"] * 2 and runs[3]["chunk_mb"] == 256
-    plain = bench.parse_modes("base")
+    plain = bench_modes.parse_modes("base")
     assert saves.expand(plain, ["async"], None, "/out") == plain  # without --save-every nothing changes
 
 
@@ -40,9 +40,9 @@ def test_bad_save_kinds_are_refused(text):
 ])
 def test_the_options_are_checked_before_anything_runs(monkeypatch, capsys, argv, message):
     monkeypatch.setattr(sys, "argv", ["bench_offload.py", "all", "--out-dir", "/nonexistent", *argv])
-    monkeypatch.setattr(bench, "run_all", lambda args: pytest.fail("ran"))
+    monkeypatch.setattr(bench_offload, "run_all", lambda args: pytest.fail("ran"))
     with pytest.raises(SystemExit) as exit_:
-        bench.main()
+        bench_offload.main()
     assert exit_.value.code == 2 and message in capsys.readouterr().err
 
 

@@ -17,7 +17,7 @@ from bridge_fgo.engine.streamed import readers as readers_mod
 from support import harness
 from test_failures import Boom, assert_torn_and_refused, checkpoint, readable_rig, train_wrapper
 from test_resume_host import CASES
-from test_streamed import assert_same, engine_of, make, rig_snapshot, snapshot, step
+from test_streamed import assert_same, engine_of, make, snapshot, step
 
 
 def torn_chain():

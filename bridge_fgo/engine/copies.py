@@ -11,7 +11,7 @@ in the engine therefore shows on CPU as stale or unfinished data, as it would on
 from __future__ import annotations
 
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Sequence
 
 
 class _Done:
