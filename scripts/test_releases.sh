@@ -25,7 +25,9 @@ for rel in "${releases[@]}"; do
   # the venv's own console scripts (bridge-fgo, bridge-fgo-run, torchrun) are what the tests run. A suite
   # that hangs is stopped after TEST_TIMEOUT_S (SIGABRT: pytest's faulthandler prints where each thread
   # waits), so the other releases still run and CI fails with the place, not at its own limit
-  timeout --signal=ABRT --kill-after=30 "${TEST_TIMEOUT_S:-1800}" "$root/$REL_VENV/bin/python" -m pytest "$@" 2>&1 \
+  # spread over the cores as scripts/test.sh does
+  OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} timeout --signal=ABRT --kill-after=30 "${TEST_TIMEOUT_S:-1800}" \
+    "$root/$REL_VENV/bin/python" -m pytest -n auto --dist worksteal "$@" 2>&1 \
     | tee "$log"
   rc=${PIPESTATUS[0]}
   counts=$(grep -E '^=*.* in [0-9.]+s' "$log" | tail -n 1 | sed -E 's/^=+ //; s/ =+$//')

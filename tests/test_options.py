@@ -84,7 +84,7 @@ def test_chunk_mb_and_budget_reach_the_builtin_engine():
     session = next(iter(bridge_fgo.instrument.patcher._current.callsites.registry.sessions()))
     engine = session.adapter.engine
     assert session.adapter.chunk_mb == 64 and engine.plan.chunk_bytes == 64 * 2**20
-    assert engine.budget_bytes == int(1.5 * 2**30) and len(engine.parts) == 1
+    assert engine.fitting.budget_bytes == int(1.5 * 2**30) and len(engine.parts) == 1
 
 
 def test_gpu_budget_values():
