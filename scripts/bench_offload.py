@@ -64,6 +64,11 @@ def run_all(args):
             continue
         path = os.path.join(args.out_dir, f"{tag}.json")
         log = os.path.join(args.out_dir, f"{tag}.log")
+        if args.keep_existing and os.path.exists(path):  # made by an earlier call on this machine
+            with open(path) as f:
+                results[tag] = json.load(f)["summary"]
+            print(f"{tag}: kept from an earlier call", flush=True)
+            continue
         # a variable a mode can set is that mode's alone: never inherited from the caller's shell
         env = {k: v for k, v in os.environ.items() if k not in managed}
         env.update(run["env"])
@@ -197,6 +202,8 @@ def parser():
     a.add_argument("--log-params-norm", action="store_true", help="every run logs the parameter norm (compared)")
     a.add_argument("--fp16", action="store_true")
     a.add_argument("--bandwidth", action="store_true", help="also measure pinned host<->device bandwidth")
+    a.add_argument("--keep-existing", action="store_true",
+                   help="a run whose JSON is in --out-dir already (an earlier call cut short) is read, not run again")
     a.add_argument("--bypass-te-adam-check", action="store_true")
     a.add_argument("--profile-iter", type=int, help="each run profiles this iteration (see run)")
     a.add_argument("--save-every", type=int, metavar="N",
