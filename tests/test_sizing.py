@@ -288,8 +288,8 @@ def test_the_states_a_budget_keeps_are_updated_in_chunk_sized_pieces(kind, monke
 # -- the first step's window (chunk_mb=auto) ------------------------------------------------------------------------
 def test_the_first_window_stays_where_it_fits():
     first = FirstStep(before=5 * GIB, backward=10 * GIB, base=4 * GIB)
-    assert sizing.first(window_of, first, 256 * MIB) == (256 * MIB, "")
-    assert sizing.first(window_of, FirstStep(), 256 * MIB) == (256 * MIB, "")  # nothing measured: as it starts
+    assert sizing.first(window_of, first, 256 * MIB) == (256 * MIB, 2, "")
+    assert sizing.first(window_of, FirstStep(), 256 * MIB) == (256 * MIB, 2, "")  # nothing measured: as it starts
 
 
 def test_the_first_window_shrinks_under_the_runs_peak_so_far():
@@ -297,16 +297,16 @@ def test_the_first_window_shrinks_under_the_runs_peak_so_far():
     slots of 128 MB chunks and the contract's scratch (torch's foreach: half a chunk), not of 256 MB."""
     first = FirstStep(before=7 * GIB, backward=7 * GIB, base=7 * GIB - margin(7 * GIB) - 300 * MIB,
                       scratch_per_byte=0.5)
-    size, why = sizing.first(window_of, first, 256 * MIB)
-    assert size == 96 * MIB and sizing.fits(window_of, first, size, 2)
+    size, slots, why = sizing.first(window_of, first, 256 * MIB)
+    assert (size, slots) == (96 * MIB, 2) and sizing.fits(window_of, first, size, 2)
     assert not sizing.fits(window_of, first, size + sizing.STEP_MB * MIB, 2)
     assert "96 MB chunks, not 256" in why and "would raise the run's peak so far" in why
 
 
 def test_the_first_window_takes_the_least_where_nothing_fits():
     first = FirstStep(before=7 * GIB, backward=7 * GIB, base=7 * GIB)
-    size, why = sizing.first(window_of, first, 256 * MIB)
-    assert size == sizing.MIN_CHUNK_MB * MIB and "the least: even those raise the run's peak" in why
+    size, slots, why = sizing.first(window_of, first, 256 * MIB)
+    assert (size, slots) == (sizing.MIN_CHUNK_MB * MIB, 2) and "the least: even those raise the run's peak" in why
 
 
 def test_the_engines_first_step_fits_under_the_runs_peak_and_the_window_stays_there(small_units, caplog):
@@ -335,3 +335,42 @@ def test_the_engines_first_step_fits_under_the_runs_peak_and_the_window_stays_th
         assert_same(snapshot(base), snapshot(opt))
     assert engine.plan.chunk_bytes == first_size and engine.window_bytes == first.window
     assert f"{first_size} MB, 2 slots" in engine.window_note
+
+
+def test_the_first_window_never_shrinks_below_the_largest_parameters_states_and_takes_one_slot_where_that_fits():
+    """An untied embedding and output layer (786 MB of states each) are chunks alone whatever the size: below them
+    the window shrinks no further, so the first step keeps its chunks, through one slot where two would pass the
+    run's peak so far (full recomputation, H100, 2026-11-27: two 786 MB slots and torch's scratch put the first
+    iteration at 7.27 GiB over setup's 6.60 GiB; 16 MB chunks gained nothing and made 67 chunks)."""
+    big = 786 * MIB
+
+    def with_embedding(size, slots=2, total=12 * GIB):
+        largest = max(size, big)
+        chunks = -(-total // size)
+        return min(slots, chunks) * largest, largest, chunks
+
+    one_fits = FirstStep(before=7 * GIB, backward=7 * GIB, base=7 * GIB - margin(7 * GIB) - 1200 * MIB,
+                         scratch_per_byte=0.5)
+    size, slots, why = sizing.first(with_embedding, one_fits, 256 * MIB)
+    assert (size, slots) == (256 * MIB, 1) and "256 MB chunks through one slot" in why
+    none_fits = FirstStep(before=7 * GIB, backward=7 * GIB, base=7 * GIB - margin(7 * GIB) - 300 * MIB)
+    size, slots, why = sizing.first(with_embedding, none_fits, 256 * MIB)
+    assert (size, slots) == (256 * MIB, 2) and "the least: even those raise the run's peak" in why
+    size, slots, _ = sizing.first(with_embedding, none_fits, 1024 * MIB)
+    assert (size, slots) == (big, 2)
+    # after the first step: the least size, and one slot where only that fits
+    measured_first = FirstStep(before=7 * GIB, backward=7 * GIB, base=7 * GIB - margin(7 * GIB) - 1200 * MIB,
+                               step=7 * GIB, scratch_per_byte=0.5)
+    size, slots, why = sizing.choose(with_embedding, measured_first, 12 * GIB)
+    assert (size, slots) == (256 * MIB, 1) and "256 MB, one slot, the least" in why
+
+
+def test_the_engine_steps_exactly_through_one_slot():
+    base, opt = make(), make()
+    engine = engine_for(opt, 600)
+    engine.fitting.window_at(600, 1)
+    assert len(engine.transfers.window.slots) == 1 and len(engine.chunks) > 2
+    for _ in range(3):
+        step(base)
+        step(opt, engine)
+        assert_same(snapshot(base), snapshot(opt))

@@ -28,23 +28,31 @@ STEP_MB = 32  # the sizes tried, from the cap down
 WindowOf = Callable[[int, int], Tuple[int, int, int]]
 
 
-def first(window_of: WindowOf, first: FirstStep, start: int) -> Tuple[int, str]:
-    """The first step's chunk bytes (two slots) and why: `start` where its window and the optimizer's
-    scratch (the contract's) fit the headroom, else the largest size down to MIN_CHUNK_MB that does,
-    else MIN_CHUNK_MB."""
+def first(window_of: WindowOf, first: FirstStep, start: int) -> Tuple[int, int, str]:
+    """The first step's chunk bytes, slots and why: `start` and two slots where that window and the
+    optimizer's scratch (the contract's) fit the headroom; else the largest size that does, down to
+    MIN_CHUNK_MB or the largest parameter's states; else one slot (each chunk's copy in then waits for the
+    one before to leave: slower, under the peak) where that fits; else the least with two."""
     if not first.measured or fits(window_of, first, start, 2):
-        return start, ""
-    least = min(start, MIN_CHUNK_MB * MIB)
+        return start, 2, ""
+    # below the largest parameter's states (a chunk alone whatever the size: the embedding's) the window
+    # shrinks no further, and more chunks only cost time
+    least = min(start, max(MIN_CHUNK_MB * MIB, window_of(1, 2)[1]))
     size = start
     while size > least:
         size = max(least, size - STEP_MB * MIB if size > STEP_MB * MIB else size // 2)
         if fits(window_of, first, size, 2):
-            return size, (f"{size / MIB:.0f} MB chunks, not {start / MIB:.0f}: two slots of those would raise the "
-                          f"run's peak so far ({first.headroom() / MIB:.0f} MiB of headroom over "
-                          f"{first.base / GIB:.2f} GiB allocated, under {first.backward / GIB:.2f} GiB)")
-    return least, (f"{least / MIB:.0f} MB chunks, the least: even those raise the run's peak so far "
-                   f"({first.headroom() / MIB:.0f} MiB of headroom over {first.base / GIB:.2f} GiB allocated, under "
-                   f"{first.backward / GIB:.2f} GiB)")
+            return size, 2, (f"{size / MIB:.0f} MB chunks, not {start / MIB:.0f}: two slots of those would raise the "
+                             f"run's peak so far ({_room(first)})")
+    if fits(window_of, first, start, 1):
+        return start, 1, (f"{start / MIB:.0f} MB chunks through one slot: two slots of even the least ({least / MIB:.0f} "
+                          f"MB, or the largest parameter's states) would raise the run's peak so far ({_room(first)})")
+    return least, 2, f"{least / MIB:.0f} MB chunks, the least: even those raise the run's peak so far ({_room(first)})"
+
+
+def _room(first: FirstStep) -> str:
+    return (f"{first.headroom() / MIB:.0f} MiB of headroom over {first.base / GIB:.2f} GiB allocated, under "
+            f"{first.backward / GIB:.2f} GiB")
 
 
 def choose(window_of: WindowOf, first: FirstStep, total: int, floor: int = FIRST_CHUNK_MB * MIB) -> Tuple[int, int, str]:
@@ -60,8 +68,9 @@ def choose(window_of: WindowOf, first: FirstStep, total: int, floor: int = FIRST
     while size > floor and not fits(window_of, first, size, 2):
         size = max(floor, size - STEP_MB * MIB)
     if size == floor and not fits(window_of, first, size, 2):
-        return floor, 2, (f"{floor / MIB:.0f} MB, the least: a larger window would raise the peak "
-                          f"({room / MIB:.0f} MiB of headroom); {first.describe()}")
+        n = 1 if fits(window_of, first, size, 1) else 2  # one slot where only that keeps the step under the peak
+        return floor, n, (f"{floor / MIB:.0f} MB{', one slot' if n == 1 else ''}, the least: a larger window would "
+                          f"raise the peak ({room / MIB:.0f} MiB of headroom); {first.describe()}")
     n = slots(window_of, first, size)
     return size, n, (f"{size / MIB:.0f} MB, {n} slots, the window {window_of(size, n)[0] / MIB:.0f} MiB "
                      f"within {room / MIB:.0f} MiB of headroom; {first.describe()}")

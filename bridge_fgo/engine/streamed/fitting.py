@@ -54,10 +54,10 @@ class Fitting:
             return
         first.scratch_per_byte = self._scratch_per_byte()
         start = self.plan.chunk_bytes
-        size, why = sizing.first(self.window_at, first, start)
-        if size == start:
+        size, slots, why = sizing.first(self.window_at, first, start)
+        self.window_at(size, slots)  # (the search re-cut the plan)
+        if not why:
             return
-        self.window_at(size, 2)
         self.first_note = why
         logger.info("%sthe first step's window: %s", rank_prefix(), why)
 
