@@ -101,3 +101,25 @@ def test_no_import_loops():
         if node not in state:
             visit(node, [node])
     assert not loops, "\n".join(" -> ".join(loop) for loop in loops)
+
+
+# -- sizes: a class that holds too much is split by what each part holds ----------------------------------------
+MAX_CLASS_LINES = 300
+MAX_SCRIPT_LINES = 500
+
+
+def test_no_class_over_300_lines_and_no_script_over_500():
+    root = os.path.dirname(PACKAGE)
+    big = []
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(open(path).read(), path)):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES:
+                big.append(f"{name}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
+    for folder, _, files in os.walk(os.path.join(root, "scripts")):
+        for f in files:
+            if f.endswith((".py", ".sh")):
+                path = os.path.join(folder, f)
+                n = sum(1 for _ in open(path))
+                if n > MAX_SCRIPT_LINES:
+                    big.append(f"{os.path.relpath(path, root)}: {n} lines")
+    assert not big, "\n".join(big)
