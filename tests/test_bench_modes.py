@@ -214,6 +214,10 @@ def test_the_cpu_mode_and_its_fraction():
 def test_the_cpu_mode_builds_megatron_cores_cpu_optimizer_config():
     """The run's Bridge configuration (no GPU needed to build it): optimizer_cpu_offload with the fraction given
     (1.0 by default) and the copies overlapped; the batch as given."""
+    from megatron.bridge.training import config
+
+    if not hasattr(config, "ValidationConfig"):  # the GPU kit installs 0.6.2 (scripts/gpu/prepare_wheels.sh)
+        pytest.skip("the benchmark's workload is written for Megatron-Bridge >= 0.4 (ValidationConfig)")
     ap = bench_offload.parser()
     args = ap.parse_args(["run", "--mode", "cpu", "--offload-fraction", "0.5", "--global-batch", "8",
                           "--seq-length", "2048", "--micro-batch", "1"])
