@@ -269,8 +269,10 @@ def run(args):
 
 
 def bandwidth(gib=2, reps=5):
-    """Pinned host<->device copy bandwidth, through the same pinned buffer the engine uses."""
+    """Pinned host<->device copy bandwidth, through the same pinned buffer the engine uses (the copies timed
+    as scripts/bench_numa.py times them)."""
     import torch
+    from bench_numa import timed_copies
     from bridge_fgo import hostmem
 
     n = gib * GIB
@@ -280,16 +282,8 @@ def bandwidth(gib=2, reps=5):
     dev = torch.empty(n, dtype=torch.uint8, device="cuda")
     out = {"bytes": n, "pin_s": pin_s, "registered": getattr(host, "registered", None),
            "method": getattr(host, "method", None)}
-    for name, (dst, src) in {"d2h": (host.tensor, dev), "h2d": (dev, host.tensor)}.items():
-        times = []
-        for _ in range(reps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            dst.copy_(src, non_blocking=True)
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) / 1e3)
-        out[f"{name}_GBps"] = n / statistics.median(times) / 1e9
+    for name, figures in timed_copies(host.tensor, dev, reps).items():
+        out[f"{name}_GBps"] = figures["GBps_median"]
     host.free()
     return out
 

@@ -416,15 +416,22 @@ def train_wrapper():
 
 
 # -- between the optimizers of a chain ---------------------------------------------------------------------------
-def test_a_failure_between_the_optimizers_of_a_chain_tears_the_states(caplog, tmp_path):
-    """The dense optimizer stepped, the expert one never did: Megatron-Core's master copy after the
-    first fails. The original exception passes on; the mark and an ERROR line say what happened."""
+def chained_rig(expert_shapes=((700, 300), (64,))):
+    """A patched rig whose ChainedOptimizer holds a second DistributedOptimizer (the experts'), two steps
+    in: (rig, experts)."""
     bridge_fgo.patch(offload="builtin", chunk_mb=1)
     r = readable_rig()
-    experts = harness.make_distributed_optimizer(r.events, with_tensors=True, seed=3, shapes=((700, 300), (64,)))
+    experts = harness.make_distributed_optimizer(r.events, with_tensors=True, seed=3, shapes=expert_shapes)
     experts.per_bucket_numel = experts.per_bucket_numel_unpadded = [{}]
     r.optimizer.chained_optimizers.append(experts)
     harness.run_steps(r, steps=2)
+    return r, experts
+
+
+def test_a_failure_between_the_optimizers_of_a_chain_tears_the_states(caplog, tmp_path):
+    """The dense optimizer stepped, the expert one never did: Megatron-Core's master copy after the
+    first fails. The original exception passes on; the mark and an ERROR line say what happened."""
+    r, experts = chained_rig()
     real = update.copy_rest
 
     def copy_rest(opt, *a, **k):

@@ -214,18 +214,24 @@ def test_the_load_call_site_prepares_the_engine_before_bridges_load(train_module
     bridge_fgo.unpatch()
 
 
+def remainders_engine():
+    """TE holding the masters as int16 remainders, under a prepared engine: (optimizer, engine, the inner
+    optimizer's parameters, each one's (data_ptr, value) before)."""
+    opt = make(**CASES["te-precision-aware-remainders"])
+    engine = StreamedEngine([opt], 2000)
+    engine.prepare()
+    params = [p for g in opt.optimizer.param_groups for p in g["params"]]
+    return opt, engine, params, [(p.data_ptr(), p.clone()) for p in params]
+
+
 def test_a_load_makes_the_states_of_parameters_that_stay_on_the_gpu_on_the_host():
     """TE holding the masters (int16 remainders here) steps the model's own bf16 shard, which stays on
     the GPU: its load_state_dict makes every state anew where that parameter is, and torch's casts the
     loaded states there first. During the load each such parameter is presented as an untouched host
     tensor of its shape, so both are made on the host; its own storage is back when the load returns,
     and when it raises."""
-    opt = make(**CASES["te-precision-aware-remainders"])
-    engine = StreamedEngine([opt], 2000)
-    engine.prepare()
+    opt, engine, params, before = remainders_engine()
     inner = opt.optimizer
-    params = [p for g in inner.param_groups for p in g["params"]]
-    before = [(p.data_ptr(), p.clone()) for p in params]
     buffer = engine.buffer.tensor
     low, high = buffer.data_ptr(), buffer.data_ptr() + buffer.numel() * buffer.element_size()
     assert not any(low <= ptr < high for ptr, _ in before)  # the model's shards: not in the pinned buffer

@@ -15,20 +15,15 @@ from bridge_fgo.engine import update
 from bridge_fgo.engine.streamed import StreamedEngine
 from bridge_fgo.engine.streamed import readers as readers_mod
 from support import harness
-from test_failures import Boom, assert_torn_and_refused, checkpoint, readable_rig, train_wrapper
-from test_resume_host import CASES
+from test_failures import Boom, assert_torn_and_refused, chained_rig, checkpoint, train_wrapper
+from test_resume_host import remainders_engine
 from test_streamed import assert_same, engine_of, make, snapshot, step
 
 
 def torn_chain():
     """A patched rig whose ChainedOptimizer holds two DistributedOptimizers, torn between them (the dense
     one stepped, the expert one did not), with each part's checkpoint from before the failed step."""
-    bridge_fgo.patch(offload="builtin", chunk_mb=1)
-    r = readable_rig()
-    experts = harness.make_distributed_optimizer(r.events, with_tensors=True, seed=3, shapes=((70, 30), (64,)))
-    experts.per_bucket_numel = experts.per_bucket_numel_unpadded = [{}]
-    r.optimizer.chained_optimizers.append(experts)
-    harness.run_steps(r, steps=2)
+    r, experts = chained_rig(((70, 30), (64,)))
     saved = [checkpoint(r.dist_optimizer), checkpoint(experts)]
     weights = [[buf.param_data.clone() for buf in opt.buffers] for opt in (r.dist_optimizer, experts)]
     real = update.copy_rest
@@ -120,12 +115,8 @@ def test_an_interrupt_in_the_restore_after_a_load_leaves_no_parameter_on_the_hos
     KeyboardInterrupt lands between two of them (before or after one's rebinding); the interrupt then
     passes on."""
     for when in ("before", "after"):
-        opt = make(**CASES["te-precision-aware-remainders"])
-        engine = StreamedEngine([opt], 2000)
-        engine.prepare()
+        opt, engine, params, before = remainders_engine()
         inner = opt.optimizer
-        params = [p for g in inner.param_groups for p in g["params"]]
-        before = [(p.data_ptr(), p.clone()) for p in params]
         saved = copy.deepcopy(inner.state_dict())
         calls = {"n": 0}
         real = readers_mod._bind_back
