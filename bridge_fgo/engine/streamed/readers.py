@@ -142,12 +142,12 @@ class Readers:
     def _loaded_into(self, opt, name: str) -> None:
         """A load into one part returned: the mark goes once every part of the chain has loaded (a part's
         load that raises leaves it, and the parts loaded before it, torn)."""
-        self._loaded.add(self.plan.part_of(opt).index)
+        index = self.plan.part_of(opt).index
+        self._loaded.add(index)
         left = len(self.plan.parts) - len(self._loaded)
         if left:
             logger.info("%s%s.%s() loaded a checkpoint into optimizer %d of the chain; the states stay torn until "
-                        "the other %d load too", rank_prefix(), type(opt).__name__, name,
-                        self.plan.part_of(opt).index, left)
+                        "the other %d load too", rank_prefix(), type(opt).__name__, name, index, left)
             return
         self.torn = None
         self.guards.restore()
