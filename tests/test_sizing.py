@@ -365,8 +365,9 @@ def test_the_first_window_never_shrinks_below_the_largest_parameters_states_and_
     assert (size, slots) == (256 * MIB, 1) and "256 MB, one slot, the least" in why
 
 
-def test_the_engine_steps_exactly_through_one_slot():
-    base, opt = make(), make()
+@pytest.mark.parametrize("kind", ["torch-foreach-default", "te", "apex", "te-precision-aware-bf16"])
+def test_the_engine_steps_exactly_through_one_slot(kind):
+    base, opt = make(**OPTIMIZERS[kind]), make(**OPTIMIZERS[kind])
     engine = engine_for(opt, 600)
     engine.fitting.window_at(600, 1)
     assert len(engine.transfers.window.slots) == 1 and len(engine.chunks) > 2
