@@ -41,7 +41,7 @@ from bench_checks import checks, peak_line
 from bench_modes import ENGINE_KEYS, MODES, parse_modes, resolve_symbolic
 import bench_run
 from bench_run import bandwidth
-from bench_workload import OPTIMIZER_MODULES
+from bench_workload import FP8_RECIPES, OPTIMIZER_MODULES
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -176,6 +176,9 @@ def parser():
     r.add_argument("--topk", type=int, default=2)
     r.add_argument("--moe-ffn", type=int, default=1408)
     r.add_argument("--deterministic", action="store_true", help="the model's deterministic_mode (needs NCCL_ALGO)")
+    r.add_argument("--fp8", choices=tuple(FP8_RECIPES),
+                   help="FP8 parameters (fp8_param_gather) with Bridge's recipe for this scaling (needs --te-spec): "
+                        + ", ".join(f"{k}: {v}" for k, v in FP8_RECIPES.items()))
     r.add_argument("--fp16", action="store_true", help="fp16 with dynamic loss scaling (the first steps are skipped)")
     r.add_argument("--loss-scale", type=float, default=2.0**16, help="with --fp16: the initial loss scale")
     r.add_argument("--layers", type=int, default=16)

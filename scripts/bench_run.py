@@ -206,10 +206,7 @@ def run(args):
     wall = time.perf_counter() - t0
     if recs:  # the last iteration's final phase and what ran after it (a checkpoint save at the end)
         recs[-1]["tail_peak_gib"] = torch.cuda.max_memory_allocated() / GIB
-    h = hashlib.sha256()
-    for chunk in held["model"]:  # every virtual-pipeline chunk of this rank
-        for p in chunk.parameters():
-            h.update(p.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes())
+    h, meta = params_digest(held["model"])
     steady = [r for r in recs if r["iter"] > 2]
     rank = int(os.environ.get("RANK", "0"))
     summary = {
@@ -254,7 +251,10 @@ def run(args):
         "losses": [r["loss"] for r in recs],
         "params_norms": norms or None,
         "skipped_iters": [r["iter"] for r in recs if r["skipped"]],
-        "final_params_sha256": h.hexdigest(),
+        "final_params_sha256": h,
+        "fp8": getattr(args, "fp8", None),
+        # FP8 runs: every TE module's scaling state (amax history, scale) at the end
+        "final_fp8_meta_sha256": meta,
         "sessions": report_holder.get("sessions", []),
     }
     if args.save:
@@ -266,6 +266,46 @@ def run(args):
             json.dump({"summary": summary, "iters": recs}, f, indent=1)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+
+
+# a quantized parameter's own bytes (Transformer Engine's Float8Tensor and blockwise tensors): its data and
+# scales, not a dequantized copy; transposes are derived from them
+QUANTIZED_FIELDS = ("_data", "_scale_inv", "_rowwise_data", "_rowwise_scale_inv", "_columnwise_data",
+                    "_columnwise_scale_inv")
+
+
+def params_digest(model):
+    """(sha256 of every parameter's bytes, FP8 parameters as their FP8 data and scales; sha256 of every TE
+    module's fp8_meta amax history and scale, or None without FP8)."""
+    import torch
+
+    def feed(h, t):
+        h.update(t.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes())
+
+    h, m, any_meta = hashlib.sha256(), hashlib.sha256(), False
+    for chunk in model:  # every virtual-pipeline chunk of this rank
+        for p in chunk.parameters():
+            fields = [getattr(p, f, None) for f in QUANTIZED_FIELDS]
+            if any(isinstance(t, torch.Tensor) for t in fields):
+                for t in fields:
+                    if isinstance(t, torch.Tensor):
+                        feed(h, t.view(-1))
+                q = getattr(p, "_quantizer", None)
+                for t in (getattr(q, "scale", None), getattr(q, "amax", None)):
+                    if isinstance(t, torch.Tensor) and t.numel():
+                        feed(h, t.view(-1))
+            else:
+                feed(h, p)
+        for mod in chunk.modules():
+            fp8_meta = getattr(mod, "fp8_meta", None)
+            if isinstance(fp8_meta, dict):
+                for key in ("scaling_fwd", "scaling_bwd"):
+                    s = fp8_meta.get(key)
+                    for t in (getattr(s, "amax_history", None), getattr(s, "scale", None)):
+                        if isinstance(t, torch.Tensor):
+                            feed(m, t.view(-1))
+                            any_meta = True
+    return h.hexdigest(), (m.hexdigest() if any_meta else None)
 
 
 def bandwidth(gib=2, reps=5):

@@ -7,6 +7,10 @@ import sys
 
 # --optimizer -> what the module of the optimizer inside Megatron-Core's DistributedOptimizer must contain
 OPTIMIZER_MODULES = {"torch": "torch.optim", "apex": "apex.optimizers", "te": "transformer_engine"}
+# --fp8: Bridge's mixed-precision recipe for each scaling, fp8_param_gather on (the subchannel recipe leaves
+# it off; it is turned on here)
+FP8_RECIPES = {"delayed": "bf16_with_fp8_delayed_scaling_mixed", "tensorwise": "bf16_with_fp8_current_scaling_mixed",
+               "blockwise": "bf16_with_fp8_subchannel_scaling_mixed"}
 CPU_OPTIMIZER_MODULE = "megatron.core.optimizer.cpu_offloading"
 
 
@@ -125,6 +129,19 @@ def bypass_te_adam_check():
     m.OptimizerStateOffloader.__init__ = init
 
 
+def mixed_precision(args):
+    """Bridge's mixed-precision recipe: bf16 or fp16, or with --fp8 an FP8 one with FP8 parameters."""
+    if not getattr(args, "fp8", None):
+        return "fp16_mixed" if args.fp16 else "bf16_mixed"
+    if not args.te_spec or args.fp16:
+        sys.exit("--fp8 needs --te-spec (FP8 runs in Transformer Engine's layers) and bf16")
+    from megatron.bridge.training.mixed_precision import get_mixed_precision_config
+
+    mp = get_mixed_precision_config(FP8_RECIPES[args.fp8])
+    mp.fp8_param_gather = True  # kept in sync with fp8_param by Bridge
+    return mp
+
+
 def build(args):
     """Bridge's ConfigContainer for this run: (cfg, its OptimizerConfig, the norms replaced, data-parallel
     size, whether gradient reduction and parameter gathering overlap)."""
@@ -211,7 +228,7 @@ def build(args):
                                       save_interval=(args.save_interval or args.iters) if args.save else None,
                                       ckpt_format="torch_dist", async_save=args.async_save, save_optim=True,
                                       dist_ckpt_optim_fully_reshardable=args.fully_reshardable),
-        rng=C.RNGConfig(seed=1234), mixed_precision="fp16_mixed" if args.fp16 else "bf16_mixed",
+        rng=C.RNGConfig(seed=1234), mixed_precision=mixed_precision(args),
     )
     if args.mode in ("flag", "auto"):
         # a plain attribute where Megatron-Core has no such field (then nothing reads it)

@@ -475,7 +475,6 @@ def cfg(**sections):
 
 @pytest.mark.parametrize("section, fields, field", [
     ("optimizer", {"reuse_grad_buf_for_mxfp8_param_ag": True}, "cfg.optimizer.reuse_grad_buf_for_mxfp8_param_ag"),
-    ("ddp", {"fp8_param_gather": True}, "cfg.ddp.fp8_param_gather"),
     ("ddp", {"fp4_param_gather": True}, "cfg.ddp.fp4_param_gather"),
     ("checkpoint", {"save": "/ckpt", "ckpt_format": "torch"}, "cfg.checkpoint.ckpt_format"),
 ])
@@ -498,6 +497,24 @@ def test_servable_configurations_and_optimizers_pass():
     # served: its save gathers copies of the host views, its load copies into them (test_resume_dp.py)
     assert refusals.streamed(cfg(checkpoint=ns(save="/ckpt", load="/ckpt", dist_ckpt_optim_fully_reshardable=True)),
                              inners) == []
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise", "blockwise", None])
+def test_fp8_parameters_are_served_with_the_recipes_run_on_an_h100(recipe):
+    ns = types.SimpleNamespace
+    model = ns(fp8_recipe=recipe) if recipe else ns()
+    assert refusals.streamed(cfg(ddp=ns(fp8_param_gather=True), model=model), [make().optimizer]) == []
+
+
+@pytest.mark.parametrize("model, words", [
+    (dict(fp8_recipe="mxfp8"), "fp8_recipe='mxfp8'"),
+    (dict(fp8_recipe="custom"), "fp8_recipe='custom'"),
+    (dict(fp8_recipe="tensorwise", qk_clip=True), "cfg.model.qk_clip=True"),
+])
+def test_fp8_parameters_the_streamed_step_has_not_run_are_refused(model, words):
+    ns = types.SimpleNamespace
+    (found,) = refusals.streamed(cfg(ddp=ns(fp8_param_gather=True), model=ns(**model)), [make().optimizer])
+    assert words in found and "chunk_mb=0" in found and "fp8_param_gather" in found
 
 
 @pytest.mark.parametrize("inner, words", [

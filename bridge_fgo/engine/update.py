@@ -15,6 +15,7 @@ import weakref
 from typing import Dict, List
 
 from ..errors import BridgeFGOError
+from . import quantized
 from .uninterrupted import each
 
 _MISSING = object()
@@ -174,25 +175,36 @@ def shadowed(obj, **attrs):
         shadows.restore()
 
 
-def copy_masters(opt, masters, model_of) -> None:
+def copy_masters(opt, masters, model_of, kept=None) -> None:
     """Megatron-Core's own _copy_main_params_to_model_params, narrowed to these masters, so the
-    model parameters read whole, updated masters while they are on the GPU."""
+    model parameters read whole, updated masters while they are on the GPU. Quantized parameters
+    (quantized.py) are only kept in `kept` here: their one cast is copy_rest's."""
     n_groups = len(opt.model_float16_groups)
     mains, models = [[] for _ in range(n_groups)], [[] for _ in range(n_groups)]
     for m in masters:
         gi, model_param = model_of[id(m)]
+        if kept is not None and quantized.is_quantized(opt, model_param):
+            kept.keep(m, model_param)
+            continue
         mains[gi].append(m)
         models[gi].append(model_param)
+    extra = {} if kept is None else {"ddp_config": quantized.without_quantization(opt)}
     with shadowed(opt, shard_fp32_from_float16_groups=mains, model_float16_groups=models,
-                  shard_fp32_groups=[], model_fp32_groups=[]):
+                  shard_fp32_groups=[], model_fp32_groups=[], **extra):
         type(opt)._copy_main_params_to_model_params(opt)
 
 
-def copy_rest(opt, copied_masters: bool, *args, **kwargs):
+def copy_rest(opt, copied_masters: bool, *args, kept=None, model_of=None, **kwargs):
     """Megatron-Core's call after the inner step: masters of bf16/fp16 parameters were copied subset
-    by subset while on the GPU; the fp32 parameters (their own masters) are copied here."""
+    by subset while on the GPU; the fp32 parameters (their own masters) are copied here, and the
+    quantized parameters cast from their kept copies, all quantized parameters in one call."""
     copy = type(opt)._copy_main_params_to_model_params
     if not copied_masters:
         return copy(opt, *args, **kwargs)
-    with shadowed(opt, shard_fp32_from_float16_groups=[], model_float16_groups=[]):
-        return copy(opt, *args, **kwargs)
+    mains, models = kept.groups(opt, model_of) if kept is not None else ([], [])
+    try:
+        with shadowed(opt, shard_fp32_from_float16_groups=mains, model_float16_groups=models):
+            return copy(opt, *args, **kwargs)
+    finally:
+        if kept is not None:
+            kept.clear()

@@ -107,6 +107,41 @@ def checkpoint_format(cfg, fix: str = "") -> List[str]:
     return []
 
 
+# FP8 recipes whose parameters the streamed step has cast on a GPU (H100); the others share the code path
+# (engine/quantized.py, tested on CPU) but need a Blackwell GPU no run here has had
+SERVED_FP8_RECIPES = ("delayed", "tensorwise", "blockwise")
+
+
+def fp8_recipe(cfg) -> str:
+    """The run's FP8 recipe as Megatron-Core reads it (TransformerConfig.fp8_recipe; the optimizer's copy)."""
+    for section in ("model", "optimizer"):
+        recipe = getattr(getattr(cfg, section, None), "fp8_recipe", None)
+        if recipe is not None:
+            return str(getattr(recipe, "value", recipe))
+    return "delayed"  # Megatron-Core's default
+
+
+def quantized_params(cfg, fix: str) -> List[str]:
+    """FP8/FP4 parameters under the streamed step: FP8 parameters are cast once after the last chunk from
+    their masters kept in the model's dtype (engine/quantized.py)."""
+    opt, ddp, model = getattr(cfg, "optimizer", None), getattr(cfg, "ddp", None), getattr(cfg, "model", None)
+    out = []
+    if getattr(ddp, "fp8_param_gather", False):
+        recipe = fp8_recipe(cfg)
+        if recipe not in SERVED_FP8_RECIPES:
+            out.append(f"cfg.ddp.fp8_param_gather=True with fp8_recipe={recipe!r}: the streamed step has cast FP8 "
+                       f"parameters on an H100 only for the recipes {', '.join(SERVED_FP8_RECIPES)} ({recipe} needs "
+                       f"a Blackwell GPU no run of bridge_fgo has had); set fp8_param_gather=False{fix}")
+        if getattr(model, "qk_clip", False):
+            out.append("cfg.model.qk_clip=True with cfg.ddp.fp8_param_gather=True: the streamed step clips a layer's "
+                       "masters in its chunk, before the FP8 cast of every parameter at the end of the step; set "
+                       f"one of them to False{fix}")
+    if getattr(ddp, "fp4_param_gather", False):
+        out.append("cfg.ddp.fp4_param_gather=True: NVFP4 parameters need a Blackwell GPU, and no run of bridge_fgo "
+                   f"has cast them there; set it to False{fix}")
+    return out
+
+
 def streamed(cfg, inner_optimizers) -> List[str]:
     """What the builtin engine's streamed step (chunk_mb > 0) cannot serve, each with its field and
     the fix; the one-window engine (chunk_mb=0) serves all of these."""
@@ -118,10 +153,7 @@ def streamed(cfg, inner_optimizers) -> List[str]:
     if getattr(opt, "reuse_grad_buf_for_mxfp8_param_ag", False):
         out.append("cfg.optimizer.reuse_grad_buf_for_mxfp8_param_ag=True: the MXFP8 param-buffer copy reads all "
                    f"master weights outside the optimizer step; set it to False{fix}")
-    for name in ("fp8_param_gather", "fp4_param_gather"):
-        if getattr(ddp, name, False):
-            out.append(f"cfg.ddp.{name}=True: quantizing master weights into parameters is one collective over all "
-                       f"of them, which a chunked update cannot split; set it to False{fix}")
+    out += quantized_params(cfg, fix)
     # an asynchronous save is served: its writer copies the host states inside the save call (saves.py);
     # so is dist_ckpt_optim_fully_reshardable: its save gathers copies of the host views, as Megatron-Core
     # stages them without offload, and its load copies into them (tests/test_resume_dp.py)

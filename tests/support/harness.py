@@ -58,7 +58,8 @@ OPTIMIZERS = ("torch", "te", "apex")  # what Megatron-Core builds: torch AdamW, 
 
 def make_distributed_optimizer(events: Recorder, with_tensors: bool = False, seed: int = 0,
                                shapes=((8, 8), (4, 8)), foreach=None, device="cpu", optimizer: str = "torch",
-                               precision_aware: bool = False, groups: int = 1, model_params=None, **te_kw):
+                               precision_aware: bool = False, groups: int = 1, model_params=None,
+                               quantized: Optional[str] = None, **te_kw):
     """A real megatron.core DistributedOptimizer instance without its GPU-bound constructor.
 
     with_tensors: give it what the engines read, laid out as Megatron-Core does: bf16 model params
@@ -77,7 +78,10 @@ def make_distributed_optimizer(events: Recorder, with_tensors: bool = False, see
     model_params: a model's own bf16 parameters instead of `shapes` (support/attention.py): their data is
     moved into the param buffer, values kept, as Megatron-Core's DDP does.
     Each bf16 model param gets `main_param` (its master, None under the precision-aware optimizer) and
-    `main_param_sharded`, as Megatron-Core's _build_model_and_main_param_groups sets them."""
+    `main_param_sharded`, as Megatron-Core's _build_model_and_main_param_groups sets them.
+    quantized: every other bf16 parameter a stand-in FP8 ("delayed", "tensorwise") or NVFP4 ("nvfp4")
+    parameter (support/quantized.py; its cast installed by quantized.installed), with
+    cfg.ddp.fp8_param_gather or fp4_param_gather set."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer, Range
 
     class StandInDistributedOptimizer(DistributedOptimizer):
@@ -168,6 +172,13 @@ def make_distributed_optimizer(events: Recorder, with_tensors: bool = False, see
                         use_precision_aware_optimizer_no_fp8_or_ds_fp8=precision_aware)
         opt.ddp_config = ns(overlap_param_gather=True, use_megatron_fsdp=False, fp8_param_gather=False,
                             fp4_param_gather=False)
+        if quantized is not None:
+            from support import quantized as stand_in
+
+            for model_param in model16[::2]:
+                stand_in.attach(model_param, quantized)
+            opt.ddp_config.fp4_param_gather = quantized == "nvfp4"
+            opt.ddp_config.fp8_param_gather = not opt.ddp_config.fp4_param_gather
         opt.is_stub_optimizer = False
         opt.data_parallel_group = None  # megatron-core 0.16 passes it to its fp8 cast, a no-op without fp8 params
         opt._gen = 0

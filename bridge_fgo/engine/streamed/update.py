@@ -22,7 +22,7 @@ from typing import Dict, List, Optional
 
 from ...errors import BridgeFGOError
 from ...log import logger, once, rank_prefix
-from .. import update as subset
+from .. import quantized, update as subset
 from ..tensors import MASTER, Bindings
 from .norms import Norms
 from .plan import Part, Plan
@@ -39,6 +39,7 @@ class Update:
         self.armed = False
         self._hooks = subset.Shadows()  # step hooks while armed
         self.copied_masters: set = set()  # part indices whose masters were copied chunk by chunk
+        self.kept: Dict[int, quantized.Kept] = {}
         self.updated: List[tuple] = []  # (part, param) of every pass this update has begun
         self.done: set = set()  # part indices whose update went through
         self.stepped = False
@@ -52,6 +53,8 @@ class Update:
         self.armed = True  # from here on settle() binds everything back, whatever fails
         self.copied_masters, self.stepped = set(), False
         self.updated, self.done = [], set()
+        # FP8/FP4 parameters: their masters kept in the model's dtype until the one cast (quantized.py)
+        self.kept = {part.index: quantized.Kept() for part in self.plan.parts if quantized.in_use(part.opt)}
         for part in self.plan.parts:
             for bundle in part.bundles:
                 if bundle.resident:
@@ -96,7 +99,8 @@ class Update:
         return subset.hooked_once(inner, functools.partial(self._update, part), *args, **kwargs)
 
     def _copy_rest(self, part: Part, *args, **kwargs):
-        return subset.copy_rest(part.opt, part.index in self.copied_masters, *args, **kwargs)
+        return subset.copy_rest(part.opt, part.index in self.copied_masters, *args, kept=self.kept.get(part.index),
+                                model_of=part.model_of, **kwargs)
 
     def _update(self, part: Part, inner, *args, **kwargs):
         if args or kwargs:  # Megatron-Core calls step() bare; a closure would re-run the model per chunk
@@ -157,7 +161,7 @@ class Update:
     def _copy_masters(self, part: Part, params) -> None:
         masters = [p for p in params if id(p) in part.model_of]
         if masters:
-            subset.copy_masters(part.opt, masters, part.model_of)
+            subset.copy_masters(part.opt, masters, part.model_of, self.kept.get(part.index))
             self.copied_masters.add(part.index)
 
     def _begin(self, part: Part, params_by_group: Dict[int, list]) -> None:
