@@ -16,6 +16,10 @@ from support import quantized
 from test_streamed import OPTIMIZERS, assert_same, engine_for, make, snapshot, step
 
 def _pair(kind, optimizer, seed=0):
+    from megatron.core.optimizer import distrib_optimizer
+
+    if kind == "nvfp4" and not hasattr(distrib_optimizer, "quantize_nvfp4_param_shard"):
+        pytest.skip("this megatron-core has no NVFP4 parameters (fp4_param_gather came in 0.17)")
     kw = OPTIMIZERS[optimizer]
     return make(seed=seed, quantized=kind, **kw), make(seed=seed, quantized=kind, **kw)
 
@@ -106,3 +110,19 @@ def test_without_quantized_parameters_the_copy_is_unchanged():
     assert engine_quantized.in_use(opt)
     opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8 = True  # TE's kernel writes FP8 itself
     assert not engine_quantized.in_use(opt)
+
+
+def test_the_per_rank_line_says_how_many_quantized_parameters_are_cast_at_the_end():
+    from bridge_fgo.engine import BuiltinAdapter
+
+    opt = make(quantized="tensorwise")
+    with quantized.installed(type(opt)):
+        adapter = BuiltinAdapter([opt], chunk_mb=1)
+        adapter.prepare()
+        assert adapter.engine.plan.quantized == 3
+        assert "3 FP8/FP4 parameter shard(s) quantized once after the last chunk" in adapter.window()
+    assert make().ddp_config.fp8_param_gather is False
+    other = make()  # the engine holds its optimizer weakly
+    plain = BuiltinAdapter([other], chunk_mb=1)
+    plain.prepare()
+    assert plain.engine.plan.quantized == 0 and "FP8" not in plain.window()

@@ -155,6 +155,10 @@ class BuiltinAdapter:
                 f"adds at most {e.window_bytes} bytes on the GPU")
         if e.resident_bytes:
             text += f"; {e.resident_bytes} bytes stay resident (gpu_budget_gib)"
+        if e.plan.quantized:
+            text += (f"; {e.plan.quantized} FP8/FP4 parameter shard(s) quantized once after the last chunk, by "
+                     "Megatron-Core's own call, from their updated masters kept in the model's dtype in their "
+                     "gradients' storage")
         return text + self.beside()
 
     def describe(self) -> Dict[str, object]:
@@ -181,6 +185,7 @@ class BuiltinAdapter:
                        prefetched_chunks=e.head.prefetched,
                        step_peak_bytes=e.window_bytes, master_bytes=e.master_bytes,
                        resident_bytes=e.resident_bytes, budget=e.budget_note, torn=e.torn,
+                       quantized_params=e.plan.quantized,
                        exposed_copy_wait_s=sorted(exposed)[len(exposed) // 2] if exposed else None)
         return out
 

@@ -45,14 +45,19 @@ def is_quantized(opt, model_param) -> bool:
     return bool((check is not None and check(model_param)) or (nvfp4 is not None and nvfp4(model_param)))
 
 
-def without_quantization(opt):
-    """opt.ddp_config as a copy with the quantization flags off: the copy of a subset's masters must not
-    run the call over every quantized parameter (Megatron-Core's copy gathers those from its buffers)."""
+def without_quantization(opt) -> dict:
+    """Instance attributes under which Megatron-Core's copy of a subset's masters runs no quantization call
+    over every quantized parameter: the quantization flags off (0.17 and later test them), and the list of
+    FP8 parameters it gathers from its buffers empty (0.16 calls quantize_param_shard unconditionally, which
+    returns at once for no parameters)."""
     ddp = copy.copy(opt.ddp_config)
     for f in _FLAGS:
         if hasattr(ddp, f):
             setattr(ddp, f, False)
-    return ddp
+    out = {"ddp_config": ddp}
+    if hasattr(type(opt), "_get_fp8_params_and_shard_fp32_from_fp8"):
+        out["_get_fp8_params_and_shard_fp32_from_fp8"] = lambda: ([], [], [])
+    return out
 
 
 class Kept:

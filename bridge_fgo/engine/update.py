@@ -188,7 +188,7 @@ def copy_masters(opt, masters, model_of, kept=None) -> None:
             continue
         mains[gi].append(m)
         models[gi].append(model_param)
-    extra = {} if kept is None else {"ddp_config": quantized.without_quantization(opt)}
+    extra = {} if kept is None else quantized.without_quantization(opt)
     with shadowed(opt, shard_fp32_from_float16_groups=mains, model_float16_groups=models,
                   shard_fp32_groups=[], model_fp32_groups=[], **extra):
         type(opt)._copy_main_params_to_model_params(opt)

@@ -58,6 +58,8 @@ class Cast:
 
     def __call__(self, entry, model_params, main_params, start_offsets, group, fsdp_shard_model_params=None):
         assert fsdp_shard_model_params is None
+        if not model_params:  # every implementation returns at once (megatron-core 0.16 calls it regardless)
+            return
         reductions = 0
         mains = [None if m is None else m.to(p.dtype) for p, m in zip(model_params, main_params)]
         delayed = [(p, m, o) for p, m, o in zip(model_params, mains, start_offsets) if kind_of(p) == "delayed"]

@@ -9,7 +9,7 @@ import weakref
 from typing import Collection, Dict, Iterator, List, Optional, Tuple
 
 from ...errors import BridgeFGOError
-from .. import contracts, layout
+from .. import contracts, layout, quantized
 from ..tensors import MASTER, Bindings, Entry, Movable, flat, inner_params, model_params_of_masters, same
 
 
@@ -204,6 +204,12 @@ class Plan:
     @property
     def master_bytes(self) -> int:
         return sum(e.nbytes for part in self.parts for e in part.entries() if e.kind == MASTER)
+
+    @property
+    def quantized(self) -> int:
+        """Masters of FP8/FP4 parameters, cast once after the last chunk from their kept copies (quantized.py)."""
+        return sum(1 for part in self.parts if quantized.in_use(part.opt)
+                   for _, model_param in part.model_of.values() if quantized.is_quantized(part.opt, model_param))
 
     @property
     def tensors(self) -> int:
