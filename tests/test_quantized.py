@@ -15,6 +15,12 @@ from support import quantized
 
 from test_streamed import OPTIMIZERS, assert_same, engine_for, make, snapshot, step
 
+# Bridge's FP8 recipes with the precision-aware optimizer: bf16 moments in TE's FusedAdam, fp32 masters kept by
+# Megatron-Core (use_precision_aware_optimizer_no_fp8_or_ds_fp8 is False for tensorwise and blockwise)
+OPTIMIZERS = dict(OPTIMIZERS, **{"te-bf16-moments": dict(optimizer="te", exp_avg_dtype=torch.bfloat16,
+                                                          exp_avg_sq_dtype=torch.bfloat16)})
+
+
 def _pair(kind, optimizer, seed=0):
     from megatron.core.optimizer import distrib_optimizer
 
@@ -29,7 +35,7 @@ def _all(opt):
 
 
 @pytest.mark.parametrize("kind", quantized.KINDS)
-@pytest.mark.parametrize("optimizer", ["torch-foreach-default", "te", "apex-3-groups"])
+@pytest.mark.parametrize("optimizer", ["torch-foreach-default", "te", "apex-3-groups", "te-bf16-moments"])
 @pytest.mark.parametrize("chunk_bytes", [1, 2000, 10**9])  # one parameter per chunk, a few, one chunk
 def test_quantized_parameters_cast_once_per_step_bit_identical(kind, optimizer, chunk_bytes):
     base, opt = _pair(kind, optimizer)
@@ -126,3 +132,32 @@ def test_the_per_rank_line_says_how_many_quantized_parameters_are_cast_at_the_en
     plain = BuiltinAdapter([other], chunk_mb=1)
     plain.prepare()
     assert plain.engine.plan.quantized == 0 and "FP8" not in plain.window()
+
+
+@pytest.mark.parametrize("recipe", quantized.FP8_KINDS)
+def test_through_bridges_train_step_with_fp8_param_gather(recipe):
+    """bridge_fgo.patch() accepts Bridge's FP8 configuration (cfg.ddp.fp8_param_gather, the model's fp8_recipe)
+    and its real train_step runs the streamed step: one cast a step, bit-identical to the run without it."""
+    import bridge_fgo
+    from support import harness
+
+    from test_streamed import BIG, assert_whole_on_host, engine_of
+
+    def rig():
+        cfg = harness.config_container(mxfp8_copy=False)
+        cfg.ddp.fp8_param_gather, cfg.model.fp8_recipe = True, recipe
+        return harness.Rig(cfg=cfg, with_tensors=True, shapes=BIG, quantized=recipe)
+
+    base = rig()
+    with quantized.installed(type(base.dist_optimizer)) as without:
+        harness.run_steps(base, steps=3)
+    bridge_fgo.patch(offload="builtin", chunk_mb=1)
+    patched = rig()
+    with quantized.installed(type(patched.dist_optimizer)) as cast:
+        harness.run_steps(patched, steps=3)
+        bridge_fgo.synchronize()
+        _, engine = engine_of()
+        assert engine.steps_streamed == 3 and engine.plan.quantized == 2
+    assert without.calls == cast.calls == [("fp8", 2, 2, 1)] * 3
+    assert_same(_all(base.dist_optimizer), _all(patched.dist_optimizer))
+    assert_whole_on_host(engine)
