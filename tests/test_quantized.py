@@ -134,7 +134,7 @@ def test_the_per_rank_line_says_how_many_quantized_parameters_are_cast_at_the_en
     assert plain.engine.plan.quantized == 0 and "FP8" not in plain.window()
 
 
-@pytest.mark.parametrize("recipe", quantized.FP8_KINDS)
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise", "blockwise"])
 def test_through_bridges_train_step_with_fp8_param_gather(recipe):
     """bridge_fgo.patch() accepts Bridge's FP8 configuration (cfg.ddp.fp8_param_gather, the model's fp8_recipe)
     and its real train_step runs the streamed step: one cast a step, bit-identical to the run without it."""
@@ -161,3 +161,22 @@ def test_through_bridges_train_step_with_fp8_param_gather(recipe):
     assert without.calls == cast.calls == [("fp8", 2, 2, 1)] * 3
     assert_same(_all(base.dist_optimizer), _all(patched.dist_optimizer))
     assert_whole_on_host(engine)
+
+
+def test_mxfp8_parameters_are_refused_before_the_first_step_with_the_fix():
+    """The MXFP8 cast goes through the same call (tested above with the stand-in), but no Blackwell GPU has
+    run it: Bridge's real train_step is never reached."""
+    import bridge_fgo
+    from bridge_fgo.errors import BridgeFGOConfigError
+    from support import harness
+
+    from test_streamed import BIG
+
+    cfg = harness.config_container(mxfp8_copy=False)
+    cfg.ddp.fp8_param_gather, cfg.model.fp8_recipe = True, "mxfp8"
+    bridge_fgo.patch(offload="builtin", chunk_mb=1)
+    r = harness.Rig(cfg=cfg, with_tensors=True, shapes=BIG, quantized="mxfp8")
+    with quantized.installed(type(r.dist_optimizer)) as cast, \
+            pytest.raises(BridgeFGOConfigError, match="fp8_recipe='mxfp8'.*chunk_mb=0"):
+        harness.run_steps(r, steps=1)
+    assert cast.calls == [] and "zero_grad_buffer" not in r.events

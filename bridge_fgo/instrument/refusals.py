@@ -107,8 +107,8 @@ def checkpoint_format(cfg, fix: str = "") -> List[str]:
     return []
 
 
-# FP8 recipes whose parameters the streamed step has cast on a GPU (H100); the others share the code path
-# (engine/quantized.py, tested on CPU) but need a Blackwell GPU no run here has had
+# FP8 recipes whose parameters the streamed step has cast on a GPU (2xH200, 2026-11-27); the others share the
+# code path (engine/quantized.py, tested on CPU) but need a Blackwell GPU no run here has had
 SERVED_FP8_RECIPES = ("delayed", "tensorwise", "blockwise")
 
 
@@ -130,8 +130,8 @@ def quantized_params(cfg, fix: str) -> List[str]:
         recipe = fp8_recipe(cfg)
         if recipe not in SERVED_FP8_RECIPES:
             out.append(f"cfg.ddp.fp8_param_gather=True with fp8_recipe={recipe!r}: the streamed step has cast FP8 "
-                       f"parameters on an H100 only for the recipes {', '.join(SERVED_FP8_RECIPES)} ({recipe} needs "
-                       f"a Blackwell GPU no run of bridge_fgo has had); set fp8_param_gather=False{fix}")
+                       f"parameters on a GPU only for the recipes {', '.join(SERVED_FP8_RECIPES)} (Hopper; {recipe} "
+                       f"was never run there by bridge_fgo: MXFP8 needs Blackwell); set fp8_param_gather=False{fix}")
         if getattr(model, "qk_clip", False):
             out.append("cfg.model.qk_clip=True with cfg.ddp.fp8_param_gather=True: the streamed step clips a layer's "
                        "masters in its chunk, before the FP8 cast of every parameter at the end of the step; set "

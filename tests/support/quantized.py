@@ -7,7 +7,9 @@ parameter's dtype; then, by the parameter's quantizer,
 - "delayed": each shard cast with the scale it already has, its amax recorded; then one MAX reduction of
   every parameter's amax over the group and scale_inv = 1 / scale;
 - "tensorwise" (current scaling), and "nvfp4" here through Megatron-Core's NVFP4 entry point: each shard's
-  amax, one MAX reduction over the group, scale = max / amax, then each shard cast with it.
+  amax, one MAX reduction over the group, scale = max / amax, then each shard cast with it;
+- "blockwise" and "mxfp8": the same per block of BLOCK elements of the whole parameter (MXFP8: the scale a
+  power of two), every block's amax in the one reduction.
 Every parameter of the optimizer comes in the one call, a master of None for a shard another rank owns.
 The FP8 bytes are real E4M3 (saturated, round to nearest even); the reduction is recorded, not run (one
 rank). Each call is recorded: (entry point, parameters, masters given, reductions).
@@ -20,8 +22,9 @@ from unittest import mock
 
 import torch
 
-FP8_KINDS = ("delayed", "tensorwise")
+FP8_KINDS = ("delayed", "tensorwise", "blockwise", "mxfp8")
 KINDS = (*FP8_KINDS, "nvfp4")
+BLOCK = {"blockwise": 128, "mxfp8": 32}  # elements a scale covers (1-D here; TE's weights use 128x128 and 1x32)
 E4M3_MAX = 448.0
 
 
@@ -63,7 +66,9 @@ class Cast:
         reductions = 0
         mains = [None if m is None else m.to(p.dtype) for p, m in zip(model_params, main_params)]
         delayed = [(p, m, o) for p, m, o in zip(model_params, mains, start_offsets) if kind_of(p) == "delayed"]
-        current = [(p, m, o) for p, m, o in zip(model_params, mains, start_offsets) if kind_of(p) != "delayed"]
+        blocked = [(p, m, o) for p, m, o in zip(model_params, mains, start_offsets) if kind_of(p) in BLOCK]
+        current = [(p, m, o) for p, m, o in zip(model_params, mains, start_offsets)
+                   if kind_of(p) not in BLOCK and kind_of(p) != "delayed"]
         if delayed:
             for p, m, o in delayed:
                 if m is None:
@@ -84,6 +89,23 @@ class Cast:
                 p._quantizer.amax, p._scale_inv = amax.view(1), torch.reciprocal(scale)
                 if m is not None:
                     p._data[o:o + m.numel()] = _cast(m.view(-1), scale)
+        if blocked:
+            amaxes = [torch.zeros(-(-p.numel() // BLOCK[kind_of(p)])) for p, _, _ in blocked]
+            for (p, m, o), amax in zip(blocked, amaxes):
+                if m is not None:
+                    b = BLOCK[kind_of(p)]
+                    whole = torch.zeros(p.numel())
+                    whole[o:o + m.numel()] = m.float().view(-1).abs()
+                    amax.copy_(torch.nn.functional.pad(whole, (0, amax.numel() * b - p.numel())).view(-1, b).amax(1))
+            reductions += 1  # all_reduce(MAX) of every block's amax over the group
+            for (p, m, o), amax in zip(blocked, amaxes):
+                scale = torch.where(amax > 0, E4M3_MAX / amax, torch.ones(()))
+                if kind_of(p) == "mxfp8":
+                    scale = torch.exp2(torch.floor(torch.log2(scale)))
+                p._quantizer.amax, p._scale_inv = amax, torch.reciprocal(scale)
+                if m is not None:
+                    per_element = scale.repeat_interleave(BLOCK[kind_of(p)])[o:o + m.numel()]
+                    p._data[o:o + m.numel()] = _cast(m.view(-1) * per_element, 1.0)
         self.calls.append((entry, len(model_params), sum(m is not None for m in main_params), reductions))
 
     def fp8(self, *args, **kwargs):
