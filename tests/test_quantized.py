@@ -77,8 +77,8 @@ def test_no_cast_within_a_pass_and_the_masters_kept_are_the_updated_ones():
     seen = []
     real = engine_quantized.Kept.groups
 
-    def spy(self, o, model_of):
-        mains, models = real(self, o, model_of)
+    def spy(self, o):
+        mains, models = real(self, o)
         seen.append([m.clone() for g in mains for m in g])
         return mains, models
 

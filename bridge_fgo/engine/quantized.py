@@ -73,16 +73,16 @@ class Kept:
         n = master.numel()
         grad = getattr(master, "grad", None)
         if (grad is not None and grad.device == master.device and grad.is_contiguous()
-                and grad.numel() * grad.element_size() >= n * _itemsize(model_param.dtype)):
+                and grad.numel() * grad.element_size() >= n * model_param.dtype.itemsize):
             # the gradient is read by no one after the inner step that consumed it (the next
             # iteration zeroes or replaces it); its bytes hold the copy
-            out = grad.view(-1).view(torch.uint8)[:n * _itemsize(model_param.dtype)].view(model_param.dtype)
+            out = grad.view(-1).view(torch.uint8)[:n * model_param.dtype.itemsize].view(model_param.dtype)
         else:
             out = torch.empty(n, dtype=model_param.dtype, device=master.device)
         out.copy_(master.view(-1))  # the rounding quantize_master_weights does first (round to nearest even)
         self.copies[id(master)] = out
 
-    def groups(self, opt, model_of) -> tuple:
+    def groups(self, opt) -> tuple:
         """(masters, model params) per group for Megatron-Core's call: every quantized master of the
         optimizer as its kept copy, the model params beside them."""
         mains: List[list] = [[] for _ in opt.model_float16_groups]
@@ -103,8 +103,3 @@ class Kept:
     def clear(self) -> None:
         self.copies = {}
 
-
-def _itemsize(dtype) -> int:
-    import torch
-
-    return torch.empty((), dtype=dtype).element_size()

@@ -194,14 +194,14 @@ def copy_masters(opt, masters, model_of, kept=None) -> None:
         type(opt)._copy_main_params_to_model_params(opt)
 
 
-def copy_rest(opt, copied_masters: bool, *args, kept=None, model_of=None, **kwargs):
+def copy_rest(opt, copied_masters: bool, *args, kept=None, **kwargs):
     """Megatron-Core's call after the inner step: masters of bf16/fp16 parameters were copied subset
     by subset while on the GPU; the fp32 parameters (their own masters) are copied here, and the
     quantized parameters cast from their kept copies, all quantized parameters in one call."""
     copy = type(opt)._copy_main_params_to_model_params
     if not copied_masters:
         return copy(opt, *args, **kwargs)
-    mains, models = kept.groups(opt, model_of) if kept is not None else ([], [])
+    mains, models = kept.groups(opt) if kept is not None else ([], [])
     try:
         with shadowed(opt, shard_fp32_from_float16_groups=mains, model_float16_groups=models):
             return copy(opt, *args, **kwargs)

@@ -14,22 +14,12 @@ DEADLINE_S=${DEADLINE_S:-560}
 MIN_S=${MIN_S:-60}
 ITERS=${ITERS:-8}
 R=/tmp/fp8; CK=/tmp/fp8ck; mkdir -p $R $CK
-start=$SECONDS
+source "$(dirname "${BASH_SOURCE[0]}")/deadline_runs.sh"
 # deterministic_mode: Transformer Engine's layers otherwise differ from run to run from the third iteration
 # (2026-11-27: two runs without offload of the same FP8 configuration), which hides what the streamed step does
 B="scripts/bench_offload.py run --optimizer te --te-spec --deterministic --iters $ITERS"
 # delayed scaling's TE extra state is a pickle; TE loads it only when told (these checkpoints are this script's)
 export NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1
-PATCH="python3 -m bridge_fgo.cli.launcher --offload builtin"
-left() { echo $((DEADLINE_S - (SECONDS - start))); }
-run() {  # run NAME CMD... (the run's --out is added)
-  local name=$1; shift
-  if [[ -f $R/$name.json ]]; then echo "DONE $name"; return; fi
-  if [[ $(left) -lt $MIN_S ]]; then echo "SKIP $name ($(left) s left)"; return; fi
-  local t0=$SECONDS
-  timeout $(($(left) - 10)) "$@" --out $R/$name.json > $R/$name.log 2>&1
-  echo "RUN $name rc=$? $((SECONDS - t0)) s"
-}
 # side by side on two GPUs: each single-process run its own rendezvous port
 base() { local name=$1 gpu=$2; shift 2; run $name env CUDA_VISIBLE_DEVICES=$gpu MASTER_PORT=$((29600 + gpu)) python3 $B --mode base "$@"; }
 fgo() { local name=$1 gpu=$2; shift 2; run $name env CUDA_VISIBLE_DEVICES=$gpu MASTER_PORT=$((29600 + gpu)) $PATCH python3 $B --mode builtin "$@"; }

@@ -18,18 +18,8 @@ DEADLINE_S=${DEADLINE_S:-560}
 MIN_S=${MIN_S:-70}
 OPT=${OPT:-te}
 R=/tmp/node; CK=/tmp/nodeck; mkdir -p $R $CK
-start=$SECONDS
+source "$(dirname "${BASH_SOURCE[0]}")/deadline_runs.sh"
 B="scripts/bench_offload.py run --optimizer $OPT --iters 8"
-PATCH="python3 -m bridge_fgo.cli.launcher --offload builtin"
-left() { echo $((DEADLINE_S - (SECONDS - start))); }
-run() {  # run NAME CMD... (the run's --out is added)
-  local name=$1; shift
-  if [[ -f $R/$name.json ]]; then echo "DONE $name"; return; fi
-  if [[ $(left) -lt $MIN_S ]]; then echo "SKIP $name ($(left) s left)"; return; fi
-  local t0=$SECONDS
-  timeout $(($(left) - 15)) "$@" --out $R/$name.json > $R/$name.log 2>&1
-  echo "RUN $name rc=$? $((SECONDS - t0)) s"
-}
 pair() {  # pair NAME GPUS EXTRA...: without and with offload
   local name=$1 gpus=$2; shift 2
   local launch="python3"

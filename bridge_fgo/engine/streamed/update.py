@@ -100,7 +100,7 @@ class Update:
 
     def _copy_rest(self, part: Part, *args, **kwargs):
         return subset.copy_rest(part.opt, part.index in self.copied_masters, *args, kept=self.kept.get(part.index),
-                                model_of=part.model_of, **kwargs)
+                                **kwargs)
 
     def _update(self, part: Part, inner, *args, **kwargs):
         if args or kwargs:  # Megatron-Core calls step() bare; a closure would re-run the model per chunk
