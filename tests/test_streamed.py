@@ -696,3 +696,19 @@ def test_a_budget_below_the_offloaded_peak_keeps_everything_offloaded_and_says_s
         "gpu_budget_gib 0.50 GiB cannot be met: the run's allocated peak with everything offloaded 1.00 GiB")
     assert sum("cannot be met" in m for m in caplog.messages) == 1  # said once
     assert_same(snapshot(base), snapshot(opt))
+
+
+@pytest.mark.parametrize("name, layer_wise, words", [
+    ("dist_muon", False, "in a LayerWiseDistributedOptimizer, whole matrices per data-parallel rank"),
+    ("muon", True, "in a LayerWiseDistributedOptimizer"),
+    ("muon", False, "every rank holding every matrix's states"),
+    ("dist_soap", False, "builds 'soap' from emerging-optimizers"),
+    ("adaptive_muon", False, "Float16OptimizerWithFloat16Params"),
+    ("lion", False, "'lion''s states have no contract"),
+])
+def test_optimizers_other_than_adam_are_refused_by_name_with_what_megatron_core_builds(name, layer_wise, words):
+    ns = types.SimpleNamespace
+    opt = ns(optimizer=name, use_distributed_optimizer=True, use_layer_wise_distributed_optimizer=layer_wise)
+    (found,) = refusals.problems(cfg(optimizer=opt), [], [], "builtin")
+    assert found.startswith(f"cfg.optimizer.optimizer={name!r}: builtin supports only 'adam'") and words in found
+    assert found.endswith("set optimizer='adam', or drop offload")

@@ -22,6 +22,24 @@ def _full_iteration_cuda_graph(model_cfg) -> bool:
     return bool(is_full_iteration_cuda_graph(model_cfg))
 
 
+# What Megatron-Core 0.19.2 builds for the names Bridge's recipes use other than 'adam' (read in
+# optimizer/__init__.py, emerging_optimizers.py, layer_wise_optimizer.py): said in the refusal
+_EMERGING = ("muon", "adaptive_muon", "soap")
+
+
+def _not_adam(opt, name: str) -> str:
+    bare = name[len("dist_"):] if name.startswith("dist_") else name
+    if bare in _EMERGING:
+        layer_wise = name.startswith("dist_") or getattr(opt, "use_layer_wise_distributed_optimizer", False)
+        layout = ("in a LayerWiseDistributedOptimizer, whole matrices per data-parallel rank" if layer_wise
+                  else "every rank holding every matrix's states")
+        return (f" (Megatron-Core builds {bare!r} from emerging-optimizers as Float16OptimizerWithFloat16Params "
+                f"{layout}, beside a DistributedOptimizer for the rest; bridge_fgo does not move those states yet)")
+    if name in ("lion", "sgd"):
+        return f" ({name!r}'s states have no contract in bridge_fgo's engine yet)"
+    return ""
+
+
 def problems(cfg, inner_optimizers: List[object], dist_optimizers: List[object], who: str,
              extra: Sequence[str] = ()) -> List[str]:
     """Every reason `cfg` (Bridge's ConfigContainer) cannot be served; empty when it can.
@@ -40,8 +58,10 @@ def problems(cfg, inner_optimizers: List[object], dist_optimizers: List[object],
             f"the optimizer holds no DistributedOptimizer (found {kinds}): set "
             "cfg.optimizer.use_distributed_optimizer=True and cfg.ddp.use_distributed_optimizer=True"
         )
-    if getattr(opt, "optimizer", "adam") != "adam":
-        out.append(f"cfg.optimizer.optimizer={opt.optimizer!r}: {who} supports only 'adam'; set optimizer='adam'")
+    name = getattr(opt, "optimizer", "adam")
+    if name != "adam":
+        out.append(f"cfg.optimizer.optimizer={name!r}: {who} supports only 'adam'{_not_adam(opt, name)}; set "
+                   "optimizer='adam', or drop offload")
     if getattr(ddp, "use_megatron_fsdp", False) or getattr(dist, "use_megatron_fsdp", False):
         out.append(
             "cfg.ddp.use_megatron_fsdp / cfg.dist.use_megatron_fsdp is True: Megatron-FSDP keeps its own "
