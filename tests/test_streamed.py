@@ -500,21 +500,32 @@ def test_servable_configurations_and_optimizers_pass():
 
 
 @pytest.mark.parametrize("recipe", ["delayed", "tensorwise", "blockwise", None])
-def test_fp8_parameters_are_served_with_the_recipes_run_on_an_h100(recipe):
+def test_fp8_parameters_are_served_with_the_recipes_run_on_hopper(recipe):
     ns = types.SimpleNamespace
     model = ns(fp8_recipe=recipe) if recipe else ns()
     assert refusals.streamed(cfg(ddp=ns(fp8_param_gather=True), model=model), [make().optimizer]) == []
+    if recipe not in ("delayed", None):  # the precision-aware optimizer with Megatron-Core keeping fp32 masters
+        aware = ns(use_precision_aware_optimizer=True, main_params_dtype=torch.float32)
+        assert refusals.streamed(cfg(ddp=ns(fp8_param_gather=True), model=model, optimizer=aware),
+                                 [make().optimizer]) == []
 
 
 @pytest.mark.parametrize("model, words", [
     (dict(fp8_recipe="mxfp8"), "fp8_recipe='mxfp8'"),
     (dict(fp8_recipe="custom"), "fp8_recipe='custom'"),
     (dict(fp8_recipe="tensorwise", qk_clip=True), "cfg.model.qk_clip=True"),
+    (dict(fp8_recipe="delayed", precision_aware=True), "use_precision_aware_optimizer=True with FP8 parameters"),
+    (dict(fp8_recipe="tensorwise", precision_aware=True, main_params_dtype=torch.float16),
+     "main_params_dtype=torch.float16"),
 ])
 def test_fp8_parameters_the_streamed_step_has_not_run_are_refused(model, words):
     ns = types.SimpleNamespace
-    (found,) = refusals.streamed(cfg(ddp=ns(fp8_param_gather=True), model=ns(**model)), [make().optimizer])
-    assert words in found and "chunk_mb=0" in found and "fp8_param_gather" in found
+    optimizer = ns()
+    if model.pop("precision_aware", False):
+        optimizer = ns(use_precision_aware_optimizer=True, main_params_dtype=model.pop("main_params_dtype", torch.float32))
+    (found,) = refusals.streamed(cfg(ddp=ns(fp8_param_gather=True), model=ns(**model), optimizer=optimizer),
+                                 [make().optimizer])
+    assert words in found and "chunk_mb=0" in found and ("fp8_param_gather" in found or "FP8 parameters" in found)
 
 
 @pytest.mark.parametrize("inner, words", [

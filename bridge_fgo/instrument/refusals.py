@@ -152,6 +152,13 @@ def quantized_params(cfg, fix: str) -> List[str]:
             out.append(f"cfg.ddp.fp8_param_gather=True with fp8_recipe={recipe!r}: the streamed step has cast FP8 "
                        f"parameters on a GPU only for the recipes {', '.join(SERVED_FP8_RECIPES)} (Hopper; {recipe} "
                        f"was never run there by bridge_fgo: MXFP8 needs Blackwell); set fp8_param_gather=False{fix}")
+        if getattr(opt, "use_precision_aware_optimizer", False) and (
+                recipe == "delayed" or str(getattr(opt, "main_params_dtype", "torch.float32")) != "torch.float32"):
+            # Megatron-Core's use_precision_aware_optimizer_no_fp8_or_ds_fp8: TE's FusedAdam holds the masters
+            out.append(f"cfg.optimizer.use_precision_aware_optimizer=True with FP8 parameters (fp8_recipe={recipe!r}, "
+                       f"main_params_dtype={getattr(opt, 'main_params_dtype', None)}): Transformer Engine's FusedAdam "
+                       "then writes the FP8 parameters inside its own step, a layout the streamed step has never run; "
+                       f"use fp8_recipe='tensorwise' with fp32 masters, or use_precision_aware_optimizer=False{fix}")
         if getattr(model, "qk_clip", False):
             out.append("cfg.model.qk_clip=True with cfg.ddp.fp8_param_gather=True: the streamed step clips a layer's "
                        "masters in its chunk, before the FP8 cast of every parameter at the end of the step; set "
