@@ -102,4 +102,3 @@ class Kept:
 
     def clear(self) -> None:
         self.copies = {}
-
