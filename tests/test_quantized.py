@@ -180,3 +180,34 @@ def test_mxfp8_parameters_are_refused_before_the_first_step_with_the_fix():
             pytest.raises(BridgeFGOConfigError, match="fp8_recipe='mxfp8'.*chunk_mb=0"):
         harness.run_steps(r, steps=1)
     assert cast.calls == [] and "zero_grad_buffer" not in r.events
+
+
+def test_a_failure_in_the_one_cast_after_the_update_tears_the_states(caplog):
+    """The masters went through (at the next step) but the FP8 cast after the last chunk raised (the weights
+    at this one): the original exception passes on, as without offload; the states are marked torn, steps
+    refused until a load."""
+    import logging
+
+    import bridge_fgo
+
+    opt = make(quantized="tensorwise")
+
+    class Boom(RuntimeError):
+        pass
+
+    with quantized.installed(type(opt)) as cast:
+        engine = engine_for(opt, 1)
+        step(opt, engine)
+        real = type(cast).__call__
+
+        def failing(self, entry, *a, **k):
+            raise Boom("in the FP8 cast")
+
+        with mock.patch.object(type(cast), "__call__", failing), caplog.at_level(logging.ERROR, logger="bridge_fgo"), \
+                pytest.raises(Boom):
+            step(opt, engine)
+        assert "master -> model copy after the update" in engine.torn
+        assert any("master -> model copy" in m for m in caplog.messages)
+        with pytest.raises(bridge_fgo.BridgeFGOError, match="torn"):
+            step(opt, engine)
+        assert real is type(cast).__call__

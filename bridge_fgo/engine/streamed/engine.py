@@ -201,10 +201,16 @@ class StreamedEngine:
         t = self.transfers
         if t.buffer is None:
             return
-        if was_armed and self.torn is None and self.update.stopped_between_parts():
-            self.update.where = "between the optimizers of the chain"
-            self.readers.torn = self.update.failure()
-            logger.error("%s%s. %s", rank_prefix(), self.torn, TORN_FIX)
+        if was_armed and self.torn is None:
+            if self.update.stopped_between_parts():
+                self.update.where = "between the optimizers of the chain"
+            elif self.update.stopped_before_copy():
+                self.update.where = "in Megatron-Core's master -> model copy after the update (the FP8 cast among it)"
+            else:
+                self.update.where = ""
+            if self.update.where:
+                self.readers.torn = self.update.failure()
+                logger.error("%s%s. %s", rank_prefix(), self.torn, TORN_FIX)
         loose = list(self.plan.away())
         if loose:  # a skipped step (masters on their shells) or a failed one
             t.copies.host_wait_all()

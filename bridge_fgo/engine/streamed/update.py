@@ -42,6 +42,7 @@ class Update:
         self.kept: Dict[int, quantized.Kept] = {}
         self.updated: List[tuple] = []  # (part, param) of every pass this update has begun
         self.done: set = set()  # part indices whose update went through
+        self.rest_done: set = set()  # part indices whose master -> model copy after the update went through
         self.stepped = False
         self.where = ""  # the pass the update is in, for a failure's message
 
@@ -52,7 +53,7 @@ class Update:
         started during the last backward already: head.py)."""
         self.armed = True  # from here on settle() binds everything back, whatever fails
         self.copied_masters, self.stepped = set(), False
-        self.updated, self.done = [], set()
+        self.updated, self.done, self.rest_done = [], set(), set()
         # FP8/FP4 parameters: their masters kept in the model's dtype until the one cast (quantized.py)
         self.kept = {part.index: quantized.Kept() for part in self.plan.parts if quantized.in_use(part.opt)}
         for part in self.plan.parts:
@@ -77,6 +78,12 @@ class Update:
         """The step stopped between the optimizers of a chain (outside their updates): some stepped."""
         return bool(self.updated) and any(p.bundles and p.index not in self.done for p in self.plan.parts)
 
+    def stopped_before_copy(self) -> bool:
+        """A part's update went through, but Megatron-Core's master -> model copy after it (the fp32
+        parameters, the one FP8 cast) did not: masters at the next step, model weights at this one."""
+        return bool(self.updated) and any(p.index in self.done and p.index not in self.rest_done
+                                          for p in self.plan.parts)
+
     @staticmethod
     def _shell(part: Part, master):
         shell = part.shells.get(id(master))
@@ -99,8 +106,10 @@ class Update:
         return subset.hooked_once(inner, functools.partial(self._update, part), *args, **kwargs)
 
     def _copy_rest(self, part: Part, *args, **kwargs):
-        return subset.copy_rest(part.opt, part.index in self.copied_masters, *args, kept=self.kept.get(part.index),
-                                **kwargs)
+        out = subset.copy_rest(part.opt, part.index in self.copied_masters, *args, kept=self.kept.get(part.index),
+                               **kwargs)
+        self.rest_done.add(part.index)
+        return out
 
     def _update(self, part: Part, inner, *args, **kwargs):
         if args or kwargs:  # Megatron-Core calls step() bare; a closure would re-run the model per chunk
