@@ -274,3 +274,32 @@ def test_first_divergence():
     assert bench_checks.first_divergence([1.0, 2.0], [1.0, 2.0]) is None
     assert bench_checks.first_divergence([1.0, 2.5], [1.0, 2.0]) == 2
     assert bench_checks.first_divergence([1.0], [1.0, 2.0]) == 2
+
+
+def test_results_table_compares_each_run_with_its_own_base_fp8_state_included(tmp_path):
+    """A folder of several configurations (scripts/gpu/bench_fp8.sh): NAME_mode against NAME_base, the FP8
+    scaling state's hash too; a folder with a plain `base` compares everything with it."""
+    import json
+
+    results_table = importlib.import_module("results_table")
+
+    def write(tag, losses=(2.0, 1.5, 1.2), params="p", meta="m"):
+        summary = dict(losses=list(losses), final_params_sha256=params, final_fp8_meta_sha256=meta, run_peak_gib=1.0,
+                       steady_iter_peak_gib=1.0, steady_step_median_s=0.5, first_iter_s=1.0, setup_peak_gib=0.5,
+                       sessions=[])
+        iters = [dict(iter=i, post_s=0.1) for i in range(1, 5)]
+        (tmp_path / f"{tag}.json").write_text(json.dumps(dict(summary=summary, iters=iters)))
+
+    write("delayed_base")
+    write("delayed_streamed")
+    write("delayed_onewindow", meta="other amax history")
+    write("tensorwise_base", params="q")
+    write("tensorwise_streamed", params="p")  # equal to delayed's, not to its own base
+    write("tensorwise_dp2_streamed.rank1", params="q")  # no tensorwise_dp2_base here
+    same = {row[0]: row[-1] for row in results_table.rows(str(tmp_path))}
+    assert same == {"delayed_base": "(the base)", "delayed_streamed": "yes", "delayed_onewindow": "NO",
+                    "tensorwise_base": "(the base)", "tensorwise_streamed": "NO",
+                    "tensorwise_dp2_streamed.rank1": "no base run in this folder"}
+    write("base", params="q")
+    assert {row[0]: row[-1] for row in results_table.rows(str(tmp_path))}["tensorwise_streamed"] == "NO"
+    assert {row[0]: row[-1] for row in results_table.rows(str(tmp_path))}["tensorwise_base"] == "yes"
