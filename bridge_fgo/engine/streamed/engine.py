@@ -202,14 +202,13 @@ class StreamedEngine:
         if t.buffer is None:
             return
         if was_armed and self.torn is None:
-            if self.update.stopped_between_parts():
-                self.update.where = "between the optimizers of the chain"
-            elif self.update.stopped_before_copy():
-                self.update.where = "in Megatron-Core's master -> model copy after the update (the FP8 cast among it)"
-            else:
-                self.update.where = ""
-            if self.update.where:
-                self.readers.torn = self.update.failure()
+            u = self.update
+            where = ("between the optimizers of the chain" if u.stopped_between_parts() else
+                     "in Megatron-Core's master -> model copy after the update (the FP8 cast among it)"
+                     if u.stopped_before_copy() else None)
+            if where:
+                u.where = where
+                self.readers.torn = u.failure()
                 logger.error("%s%s. %s", rank_prefix(), self.torn, TORN_FIX)
         loose = list(self.plan.away())
         if loose:  # a skipped step (masters on their shells) or a failed one
