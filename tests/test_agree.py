@@ -5,7 +5,6 @@ against that rank's faked /proc/meminfo, then agree) stops all three ranks with 
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from torch.multiprocessing.spawn import ProcessException
 
 from bridge_fgo import BridgeFGOConfigError, hostmem
 from bridge_fgo.instrument.agree import agree, refusal
+from support import ports
 
 GiB = 2**30
 WHAT = "optimizer-state offload"
@@ -111,12 +111,6 @@ def _rank_main(rank, world, port, out_dir, problems, roots):
             json.dump(result, f)
 
 
-def _free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_ranks(out_dir, problems=None, roots=None, world=3):
     return run_ranks_with(_rank_main, out_dir, problems, roots, world=world)
 
@@ -126,7 +120,7 @@ def run_ranks_with(main, out_dir, *args, world=3):
     out_dir/rank<N>.json); fails the test if the ranks are not all done within DEADLINE_S, or if any
     rank exits non-zero, with the tail of every rank's output (out_dir/rank<N>.log)."""
     t0 = time.monotonic()
-    ctx = mp.start_processes(_logged, args=(main, world, _free_port(), str(out_dir), *args),
+    ctx = mp.start_processes(_logged, args=(main, world, ports.free_ports(), str(out_dir), *args),
                              nprocs=world, join=False, start_method="spawn")
     try:
         while not ctx.join(timeout=1):

@@ -22,7 +22,7 @@ from conftest import SCRIPTS, run_python
 
 @pytest.mark.parametrize("fault", ["backward", "step", "peer"])
 def test_in_process_restart_after_a_fault_in_iteration_3_resumes_as_a_fresh_run(fault):
-    proc = run_python([os.path.join(SCRIPTS, "inprocess_restart.py"), fault], timeout=600)
+    proc = run_python([os.path.join(SCRIPTS, "inprocess_restart.py"), fault], timeout=300)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-6000:]
     out = json.loads(lines[-1][len("RESULT "):])

@@ -26,11 +26,11 @@ the same checkpoint, and an uninterrupted run without offload.
 """
 import contextlib
 import copy
+import faulthandler
 import gc
 import json
 import logging
 import os
-import socket
 import sys
 import threading
 import time
@@ -40,14 +40,14 @@ from unittest import mock
 TESTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir)
 sys.path.insert(0, TESTS)
 sys.path.insert(0, os.path.join(TESTS, os.pardir, "scripts"))
-from support import te_free  # noqa: E402
+from support import ports, te_free  # noqa: E402
 
 te_free.install()
+# a hang (a collective or store waiting on nothing) prints every thread's stack and ends the run
+faulthandler.dump_traceback_later(240, exit=True)
 
-with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="1", RANK="0",
+# Bridge's in-process restart opens MASTER_PORT + 1 (its store) and + 2 (nvidia-resiliency-ext's)
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports.free_ports(3)), WORLD_SIZE="1", RANK="0",
                   TORCH_CPP_LOG_LEVEL="error")
 FAULT = sys.argv[1]
 ITERATIONS, SAVE_AT, FAULT_AT = 5, 2, 3
