@@ -1,7 +1,8 @@
 """The inner optimizers Megatron-Core builds, and what each does to an engine that moves its states.
 
 Megatron-Core (megatron/core/optimizer/__init__.py) builds Transformer Engine's FusedAdam when TE
-imports, else apex's FusedAdam, else torch's AdamW (or Adam without decoupled weight decay). One
+imports, else apex's FusedAdam, else torch's AdamW (or Adam without decoupled weight decay); for
+'muon', emerging-optimizers' Muon on the matrices (Lion or Adam on the rest). One
 Contract per class says, from the optimizer's own code:
 - which tensor states a parameter has once it has stepped, with their real dtypes and shapes, so the
   host buffer is laid out before step 1 (TE and apex create them inside step());
@@ -17,7 +18,9 @@ never splits step().
 Read from: torch 2.13 torch/optim/adamw.py and adam.py; Transformer Engine 2.x
 transformer_engine/pytorch/optimizers/fused_adam.py (TE 2.20 main, commit 04912bf0); apex
 apex/optimizers/fused_adam.py (main 6424da3b, 2026-07: empty param groups skipped since #1596,
-param_groups_master paired by position since #1625).
+param_groups_master paired by position since #1625); emerging-optimizers 0.3.0
+orthogonalized_optimizers/ and scalar_optimizers/lion.py with megatron-core 0.19.2
+optimizer/emerging_optimizers.py (Muon and Lion: the one-window engine only).
 """
 from __future__ import annotations
 
@@ -28,6 +31,13 @@ TORCH_ADAMW = "torch.optim.adamw.AdamW"
 TORCH_ADAM = "torch.optim.adam.Adam"
 TE_FUSED_ADAM = "transformer_engine.pytorch.optimizers.fused_adam.FusedAdam"
 APEX_FUSED_ADAM = "apex.optimizers.fused_adam.FusedAdam"
+# emerging-optimizers' Muon as megatron-core subclasses it for 'muon' (the matrices: 0.18 and later in
+# emerging_optimizers.py, 0.16 and 0.17 in muon.py), and emerging-optimizers' Lion for
+# muon_scalar_optimizer='lion' (the rest)
+MCORE_MUON = "megatron.core.optimizer.emerging_optimizers.TensorParallelMuon"
+MCORE_MUON_0_17 = "megatron.core.optimizer.muon.TensorParallelMuon"
+EO_MUON = "emerging_optimizers.orthogonalized_optimizers.muon.Muon"
+EO_LION = "emerging_optimizers.scalar_optimizers.lion.Lion"
 
 
 def path_of(cls) -> str:
@@ -183,16 +193,51 @@ class ApexFusedAdam(Contract):
         return []
 
 
+class OneWindowOnly(Contract):
+    """An optimizer the one-window engine serves (it moves whatever states exist, and runs step()
+    untouched): its states predicted, so the host buffer is sized before step 1; the streamed step,
+    which would split step() over chunks, refuses it."""
+
+    def __init__(self, name, states):
+        self.name = name
+        self._states = states  # (inner, p, group) -> [StateSpec]
+
+    def states(self, inner, p, group):
+        return self._states(inner, p, group)
+
+    def streamed_problems(self, inner):
+        return [f"the inner optimizer is {self.name} ({class_path(inner)}): the streamed step does not split its "
+                "step() over chunks yet; use chunk_mb=0 (one window, step() over everything)"]
+
+
+def _muon_states(inner, p, group):
+    # emerging-optimizers 0.3.0 OrthogonalizedOptimizer._init_group: `state["momentum_buffer"] =
+    # torch.zeros_like(p.data)`
+    return [StateSpec("momentum_buffer", p.dtype)]
+
+
+def _lion_states(inner, p, group):
+    return [StateSpec("exp_avg", p.dtype)]  # Lion._init_group
+
+
 CONTRACTS: Dict[str, Contract] = {
     TORCH_ADAMW: TorchAdam("torch AdamW"),
     TORCH_ADAM: TorchAdam("torch Adam"),
     TE_FUSED_ADAM: TEFusedAdam(),
     APEX_FUSED_ADAM: ApexFusedAdam(),
+    MCORE_MUON: OneWindowOnly("Muon", _muon_states),
+    MCORE_MUON_0_17: OneWindowOnly("Muon", _muon_states),
+    EO_MUON: OneWindowOnly("Muon", _muon_states),
+    EO_LION: OneWindowOnly("Lion", _lion_states),
 }
 
 
 def of(inner) -> Optional[Contract]:
     return CONTRACTS.get(class_path(inner))
+
+
+def is_muon(inner) -> bool:
+    return class_path(inner) in (MCORE_MUON, MCORE_MUON_0_17, EO_MUON)
 
 
 def describe_class(cls) -> str:

@@ -17,7 +17,7 @@ from typing import List, Optional, Tuple
 from .. import hostmem
 from ..log import logger, rank_prefix
 from . import contracts, copies as copies_mod
-from .tensors import Movable, aligned, flat, inner_params, inner_tensors, nbytes_like, nbytes_of, padded
+from .tensors import Movable, aligned, inner_params, masters, inner_tensors, nbytes_like, nbytes_of, padded
 
 
 class OneWindowEngine:
@@ -42,7 +42,7 @@ class OneWindowEngine:
         self.shared = 0
         for opt in self._alive():
             movable = Movable(opt)
-            for t in flat(getattr(opt, "shard_fp32_from_float16_groups", None)):
+            for t in masters(opt):
                 if movable.take(t):
                     out.append(t)
             inner = opt.optimizer

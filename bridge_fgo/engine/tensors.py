@@ -1,10 +1,14 @@
-"""Which tensors of a DistributedOptimizer move, and where each one is bound.
+"""Which tensors of a Megatron-Core optimizer move, and where each one is bound.
 
-What moves: the fp32 master copies of bf16/fp16 parameters (shard_fp32_from_float16_groups) and every
-per-parameter tensor state of the inner optimizer (Adam's moments; TE FusedAdam's master_param and
-the scales of its non-fp32 states). What never moves: model parameters, the param and grad buffers,
-fp32 shards that alias model parameters, 0-dim states (torch's step counters), and any tensor that
-does not own its whole storage (releasing that storage would free memory others use).
+The optimizers whose states move (the parts): a DistributedOptimizer (Adam, its masters sharded over
+the data-parallel group), and a Float16OptimizerWithFloat16Params (what Megatron-Core builds for Muon:
+each matrix whole, under a LayerWiseDistributedOptimizer whole matrices per data-parallel rank).
+
+What moves: the fp32 master copies of bf16/fp16 parameters (MASTER_GROUPS) and every per-parameter
+tensor state of the inner optimizer (Adam's moments; TE FusedAdam's master_param and the scales of
+its non-fp32 states; Muon's momentum). What never moves: model parameters, the param and grad
+buffers, fp32 shards that alias model parameters, 0-dim states (torch's step counters), and any
+tensor that does not own its whole storage (releasing that storage would free memory others use).
 
 An Entry is one such tensor. It is reached through one of three bindings, so an engine can rebind
 it (to a host view, a GPU window, a GPU tensor) without knowing which kind it is:
@@ -73,10 +77,28 @@ def inner_tensors(t) -> List[object]:
     return [x for n in names for x in inner_tensors(getattr(t, n))]
 
 
+# Where each part keeps its fp32 masters of bf16/fp16 parameters: DistributedOptimizer (its shards),
+# Float16OptimizerWithFloat16Params (whole parameters)
+MASTER_GROUPS = ("shard_fp32_from_float16_groups", "fp32_from_float16_groups")
+# What they keep of the model itself: the bf16/fp16 and fp32 model parameters (a Float16Optimizer steps
+# fp32 parameters in place), the shards of them a DistributedOptimizer views
+MODEL_GROUPS = ("model_float16_groups", "model_fp32_groups", "shard_fp32_groups", "shard_float16_groups",
+                "float16_groups", "fp32_from_fp32_groups")
+
+
+def masters(opt) -> List[object]:
+    """The part's fp32 masters of bf16/fp16 parameters, in its order."""
+    for name in MASTER_GROUPS:
+        groups = getattr(opt, name, None)
+        if groups is not None:
+            return list(flat(groups))
+    return []
+
+
 def excluded_storages(opt) -> Set[int]:
     """Storages that never move: model parameters, fp32 shards that alias them, param/grad buffers."""
     keys = set()
-    for name in ("model_float16_groups", "model_fp32_groups", "shard_fp32_groups", "shard_float16_groups"):
+    for name in MODEL_GROUPS:
         keys.update(storage_key(t) for t in flat(getattr(opt, name, None)))
     for buf in getattr(opt, "buffers", None) or ():
         for attr in ("param_data", "grad_data"):

@@ -48,14 +48,21 @@ def double_offload(generation: Generation) -> str:
 
 
 def inner_optimizers(optimizer) -> List[object]:
+    """The optimizers of a chain, in its order, nested chains walked (Muon's LayerWiseDistributedOptimizer
+    is a ChainedOptimizer inside the outer one)."""
     chain = getattr(optimizer, "chained_optimizers", None)
-    return list(chain) if chain is not None else [optimizer]
+    if chain is None:
+        return [optimizer]
+    return [o for part in chain for o in inner_optimizers(part)]
 
 
 def distributed_optimizers(optimizers: List[object]) -> List[object]:
+    """The parts whose states the engine moves: each DistributedOptimizer, and each
+    Float16OptimizerWithFloat16Params (Megatron-Core's for Muon; refusals.py says where it is served)."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
 
-    return [o for o in optimizers if isinstance(o, DistributedOptimizer)]
+    return [o for o in optimizers if isinstance(o, (DistributedOptimizer, Float16OptimizerWithFloat16Params))]
 
 
 def generation_of(optimizer, dist_opts) -> Generation:
@@ -103,5 +110,6 @@ def resolve(cfg, optimizer, options: Options) -> Optional[Session]:
                     generation.unavailable(versions.megatron_core_version() or "unknown"))
         return None
     adams = [getattr(o, "optimizer", o) for o in dist_opts]  # the optimizers each one wraps
-    refusals.check(cfg, inner, dist_opts, who=chosen.who, extra=chosen.refusals(cfg, options, adams))
+    refusals.check(cfg, inner, dist_opts, who=chosen.who, extra=chosen.refusals(cfg, options, adams),
+                   served=chosen.optimizers)
     return Session(optimizer, chosen.build(optimizer, cfg, dist_opts, options), mode=chosen.mode)

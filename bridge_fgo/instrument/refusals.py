@@ -25,6 +25,13 @@ def _full_iteration_cuda_graph(model_cfg) -> bool:
 # What Megatron-Core 0.19.2 builds for the names Bridge's recipes use other than 'adam' (read in
 # optimizer/__init__.py, emerging_optimizers.py, layer_wise_optimizer.py): said in the refusal
 _EMERGING = ("muon", "adaptive_muon", "soap")
+# The names whose states the builtin engine moves with one window (chunk_mb=0): emerging-optimizers'
+# Muon on the matrices in Float16OptimizerWithFloat16Params (dist_: under a LayerWiseDistributedOptimizer),
+# Adam or Lion (muon_scalar_optimizer) on the rest
+# ('adaptive_muon' is not among them: with megatron-core 0.19.2 and emerging-optimizers 0.3.0 its step
+# fails without offload, TensorParallelAdaptiveMuon having no scale_mode, so nothing could check it)
+MUON = ("muon", "dist_muon")
+ADAM = ("adam",)
 
 
 def _not_adam(opt, name: str) -> str:
@@ -33,34 +40,57 @@ def _not_adam(opt, name: str) -> str:
         layer_wise = name.startswith("dist_") or getattr(opt, "use_layer_wise_distributed_optimizer", False)
         layout = ("in a LayerWiseDistributedOptimizer, whole matrices per data-parallel rank" if layer_wise
                   else "every rank holding every matrix's states")
+        how = ("bridge_fgo's builtin engine moves those states with one window: offload=builtin, chunk_mb=0"
+               if name in MUON else "bridge_fgo does not move those states yet")
         return (f" (Megatron-Core builds {bare!r} from emerging-optimizers as Float16OptimizerWithFloat16Params "
-                f"{layout}, beside a DistributedOptimizer for the rest; bridge_fgo does not move those states yet)")
+                f"{layout}, beside a DistributedOptimizer or a Float16OptimizerWithFloat16Params for the rest; "
+                f"{how})")
     if name in ("lion", "sgd"):
         return f" ({name!r}'s states have no contract in bridge_fgo's engine yet)"
     return ""
 
 
+def _not_distributed(inner_optimizers) -> list:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    return [o for o in inner_optimizers if not isinstance(o, DistributedOptimizer)]
+
+
+def _holds_muon(inner_optimizers) -> bool:
+    from ..engine import contracts
+
+    return any(contracts.is_muon(getattr(o, "optimizer", None)) for o in inner_optimizers)
+
+
 def problems(cfg, inner_optimizers: List[object], dist_optimizers: List[object], who: str,
-             extra: Sequence[str] = ()) -> List[str]:
+             extra: Sequence[str] = (), served: Sequence[str] = ADAM) -> List[str]:
     """Every reason `cfg` (Bridge's ConfigContainer) cannot be served; empty when it can.
-    `extra`: the refusals of the generation that would serve it (Generation.refusals)."""
+    `extra`: the refusals of the generation that would serve it (Generation.refusals); `served`: the
+    cfg.optimizer.optimizer names it serves (Generation.optimizers)."""
     opt, ddp, dist = getattr(cfg, "optimizer", None), getattr(cfg, "ddp", None), getattr(cfg, "dist", None)
     out = list(extra)
-    if not getattr(opt, "use_distributed_optimizer", False):
+    name = getattr(opt, "optimizer", "adam")
+    if name not in MUON and _holds_muon(inner_optimizers):
+        # megatron-core 0.16 and 0.17 write muon_scalar_optimizer ('adam' or 'lion') into
+        # cfg.optimizer.optimizer while they build Muon: the optimizers say what was chosen
+        name = "muon"
+    if name in MUON and name in served:
+        pass  # Muon's own layout: every rank its matrices' states (whole, or layer-wise), moved as they are
+    elif not getattr(opt, "use_distributed_optimizer", False):
         out.append(
             "cfg.optimizer.use_distributed_optimizer=False: set it (and cfg.ddp.use_distributed_optimizer) to "
             f"True; {who} offloads the distributed optimizer's sharded states"
         )
-    elif inner_optimizers and not dist_optimizers:
+    elif inner_optimizers and _not_distributed(inner_optimizers):
         # (an empty chain is a rank without trainable parameters: nothing to move, nothing wrong)
-        kinds = ", ".join(sorted({type(o).__name__ for o in inner_optimizers}))
-        out.append(
-            f"the optimizer holds no DistributedOptimizer (found {kinds}): set "
-            "cfg.optimizer.use_distributed_optimizer=True and cfg.ddp.use_distributed_optimizer=True"
-        )
-    name = getattr(opt, "optimizer", "adam")
-    if name != "adam":
-        out.append(f"cfg.optimizer.optimizer={name!r}: {who} supports only 'adam'{_not_adam(opt, name)}; set "
+        others = ", ".join(sorted({type(o).__name__ for o in _not_distributed(inner_optimizers)}))
+        held = (f"no DistributedOptimizer (found {others})" if len(_not_distributed(inner_optimizers)) == len(
+            inner_optimizers) else f"{others} beside its DistributedOptimizer")
+        out.append(f"the optimizer holds {held}: set cfg.optimizer.use_distributed_optimizer=True and "
+                   "cfg.ddp.use_distributed_optimizer=True")
+    if name not in served:
+        out.append(f"cfg.optimizer.optimizer={name!r}: {who} supports only "
+                   f"{', '.join(repr(n) for n in served)}{_not_adam(opt, name)}; set "
                    "optimizer='adam', or drop offload")
     if getattr(ddp, "use_megatron_fsdp", False) or getattr(dist, "use_megatron_fsdp", False):
         out.append(
@@ -87,8 +117,8 @@ def problems(cfg, inner_optimizers: List[object], dist_optimizers: List[object],
 
 
 def check(cfg, inner_optimizers: List[object], dist_optimizers: List[object], who: str,
-          extra: Sequence[str] = ()) -> None:
-    found = problems(cfg, inner_optimizers, dist_optimizers, who, extra)
+          extra: Sequence[str] = (), served: Sequence[str] = ADAM) -> None:
+    found = problems(cfg, inner_optimizers, dist_optimizers, who, extra, served)
     if found:
         raise BridgeFGOConfigError(
             "optimizer-state offload cannot run with this configuration:\n  - " + "\n  - ".join(found)

@@ -211,29 +211,36 @@ def destroy():
     parallel_state.destroy_model_parallel()
 
 
+def model(seed: int = 0, shapes=SHAPES):
+    """(its TransformerConfig, a MegatronModule of bf16 parameters `shapes`, seeded)."""
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.module import MegatronModule
+
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, bf16=True,
+                               params_dtype=torch.bfloat16)
+
+    class Model(MegatronModule):
+        def __init__(self):
+            super().__init__(config=config)
+            g = torch.Generator().manual_seed(seed)
+            for name, shape in shapes.items():
+                self.register_parameter(name, torch.nn.Parameter(torch.randn(shape, generator=g).bfloat16()))
+
+    return config, Model()
+
+
 class Run:
     """One rank's model (DDP) and optimizer (a ChainedOptimizer of one DistributedOptimizer)."""
 
     def __init__(self, case: str, seed: int = 0):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-        from megatron.core.transformer import TransformerConfig
-        from megatron.core.transformer.module import MegatronModule
 
-        config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, bf16=True,
-                                   params_dtype=torch.bfloat16)
-
-        class Model(MegatronModule):
-            def __init__(self):
-                super().__init__(config=config)
-                g = torch.Generator().manual_seed(seed)
-                for name, shape in SHAPES.items():
-                    self.register_parameter(name, torch.nn.Parameter(torch.randn(shape, generator=g).bfloat16()))
-
+        config, module = model(seed)
         ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=True,
                                                    overlap_param_gather=False, grad_reduce_in_fp32=True,
                                                    bucket_size=BUCKET)
-        self.model = DistributedDataParallel(config, ddp_config, Model())
+        self.model = DistributedDataParallel(config, ddp_config, module)
         opt_config = OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95,
                                      bf16=True, use_distributed_optimizer=True, clip_grad=1.0)
         # set after construction (as OptimizerConfig.__post_init__ derives them): it checks TE's FusedAdam

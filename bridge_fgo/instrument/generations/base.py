@@ -117,6 +117,9 @@ class Generation:
     self_driven: bool = False
     # Megatron-Core has an offloader to call (False: the flag has nothing to call).
     has_offloader: bool = True
+    # The cfg.optimizer.optimizer names it serves (Megatron-Core's own offloaders: Adam's distributed
+    # optimizer only).
+    optimizers: Tuple[str, ...] = ("adam",)
 
     def detect(self, cls) -> bool:
         """Whether this optimizer class (or Megatron-Core's base class) belongs to this generation."""

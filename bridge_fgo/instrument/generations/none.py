@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import List
 
 from ... import options as options_mod
+from .. import refusals
 from .base import Adapter, Generation
 
 FIX = "use bridge_fgo's builtin engine: " + options_mod.how_to_set("offload", "builtin")
@@ -21,6 +22,8 @@ class _None(Generation):
     who = "bridge_fgo's builtin engine"
     flag = "cfg.optimizer.offload_optimizer_states"
     has_offloader = False
+    # Muon's states too, with one window (engine/contracts.py: the streamed step refuses them)
+    optimizers = refusals.ADAM + refusals.MUON
 
     def detect(self, cls) -> bool:
         return True  # what is left when no other generation matched
@@ -28,8 +31,6 @@ class _None(Generation):
     def refusals(self, cfg, options, inner_optimizers) -> List[str]:
         if not options.chunk_mb:
             return []
-        from .. import refusals  # the streamed step's own limits
-
         return refusals.streamed(cfg, inner_optimizers)
 
     def build(self, optimizer, cfg, dist_optimizers, options) -> Adapter:

@@ -1,0 +1,100 @@
+"""Megatron-Core's Muon as Megatron-Bridge builds it: Bridge's real setup_optimizer over the real
+DistributedDataParallel of a small bf16 model, in this process or a spawned rank (gloo), with the GPU
+played by the CPU (support/dp.py). Needs emerging-optimizers (the test locks of Python 3.12 have it).
+
+The model is support/dp.py's: b, d and e are matrices (Muon's, through Float16OptimizerWithFloat16Params:
+whole, each data-parallel rank its own under dist_muon's LayerWiseDistributedOptimizer), a and c vectors
+(muon_scalar_optimizer's: Adam or Lion, in a Float16OptimizerWithFloat16Params of the layer-wise
+optimizer, or a DistributedOptimizer where the distributed optimizer is on).
+
+EVEN: for two data-parallel ranks under the layer-wise optimizer, which gathers the updated parameters
+with one all_gather of each rank's own: NCCL takes uneven sizes there, gloo does not, so every rank
+owns as many elements.
+"""
+from __future__ import annotations
+
+import torch
+
+from support import dp
+
+def have_emerging_optimizers() -> bool:
+    try:
+        import emerging_optimizers  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+EVEN = {"a": (64,), "b": (8, 8), "c": (64,), "d": (8, 8), "e": (8, 8), "f": (8, 8)}
+
+
+class Run:
+    """One rank's model (DDP) and the optimizer Bridge's setup_optimizer builds for `name`."""
+
+    def __init__(self, name: str = "dist_muon", scalar: str = "adam", distributed: bool = False, seed: int = 0,
+                 shapes=dp.SHAPES):
+        from megatron.bridge.training.config import OptimizerConfig, SchedulerConfig
+        from megatron.bridge.training.optim import setup_optimizer
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import layer_wise_optimizer
+
+        config, module = dp.model(seed, shapes)
+        # Bridge's model setup tags them where Megatron-Core routes buffers by it (0.19)
+        tag = getattr(layer_wise_optimizer, "tag_params_for_buffer_routing", None)
+        if tag is not None:
+            tag([module])
+        # Bridge's Muon recipes (distributed_muon_with_cosine_annealing) leave the distributed optimizer off
+        ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=distributed, overlap_grad_reduce=True,
+                                                   overlap_param_gather=False, grad_reduce_in_fp32=True,
+                                                   bucket_size=dp.BUCKET)
+        self.model = DistributedDataParallel(config, ddp_config, module)
+        self.config = OptimizerConfig(optimizer=name, lr=1e-2, min_lr=0.0, weight_decay=0.1, bf16=True,
+                                      use_distributed_optimizer=distributed, clip_grad=1.0,
+                                      muon_scalar_optimizer=scalar)
+        self.config.finalize()  # as Bridge's config validation does
+        scheduler = SchedulerConfig(lr_decay_style="constant", start_weight_decay=0.1, end_weight_decay=0.1,
+                                    weight_decay_incr_style="constant")
+        # what Bridge's config validation derives from the training's iterations
+        for key, value in dict(lr_warmup_steps=0, lr_decay_steps=100, wd_incr_steps=100, wsd_decay_steps=0).items():
+            if hasattr(scheduler, key):
+                setattr(scheduler, key, value)
+        self.optimizer, self.scheduler = setup_optimizer(self.config, scheduler, [self.model])
+        self.generation = 0
+
+    def parts(self):
+        from bridge_fgo.instrument import decide
+
+        return decide.distributed_optimizers(decide.inner_optimizers(self.optimizer))
+
+    def owned(self):
+        """The names of the model's parameters whose masters this rank's parts hold (whole: Muon's)."""
+        names = {p: n for n, p in self.model.module.named_parameters()}
+        return sorted(names[p] for part in self.parts() for g in getattr(part, "float16_groups", ()) for p in g)
+
+    def grads(self, model=None) -> None:
+        """Reduced gradients as backward leaves them in the grad buffer: made up, deterministic."""
+        for i, (_, p) in enumerate(self.model.module.named_parameters()):
+            index = torch.arange(p.numel(), dtype=torch.float32).view(p.shape)
+            p.main_grad.copy_(torch.sin(index * 0.37 + self.generation + 3 * i))
+        self.generation += 1
+
+    def states(self):
+        """Every master and inner tensor state of every part, as (name, tensor) in the parts' order; not
+        torch AdamW's 0-dim step counters (on the host already: they never move)."""
+        from bridge_fgo.engine.tensors import inner_params, masters
+
+        out = []
+        for pi, part in enumerate(self.parts()):
+            out += [(f"part{pi}.master{i}", m) for i, m in enumerate(masters(part))]
+            inner = part.optimizer
+            for gi, p in inner_params(inner):
+                for k, v in (inner.state.get(p) or {}).items():
+                    if isinstance(v, torch.Tensor) and v.dim() > 0:
+                        out.append((f"part{pi}.group{gi}.{tuple(p.shape)}.{k}", v))
+        return out
+
+    def snapshot(self):
+        """The model's weights and every state, cloned."""
+        out = {f"model.{n}": p.detach().clone() for n, p in self.model.module.named_parameters()}
+        out.update({n: t.detach().clone() for n, t in self.states()})
+        return out
