@@ -78,6 +78,7 @@ def run_all(args):
                "--out", path, "--optimizer", args.optimizer, *run["args"]]
         cmd += ["--chunk-mb", str(run["chunk_mb"])] if run["chunk_mb"] is not None else []
         cmd += ["--precision-aware"] if args.precision_aware else []
+        cmd += ["--muon"] if args.muon else []
         cmd += ["--recompute"] if args.recompute else []
         cmd += ["--te-spec"] if args.te_spec else []
         cmd += ["--log-params-norm"] if args.log_params_norm else []
@@ -105,7 +106,8 @@ def run_all(args):
     summary = {"workload": "887M" + (" full recompute" if args.recompute else "") + (" fp16" if args.fp16 else "")
                + (" TE spec" if args.te_spec else "")
                + f", {args.global_batch} x {args.seq_length} tokens a step (micro-batch {args.micro_batch})",
-               "optimizer": args.optimizer + (" precision-aware" if args.precision_aware else ""),
+               "optimizer": ("Muon, " if args.muon else "") + args.optimizer
+               + (" precision-aware" if args.precision_aware else ""),
                "modes": args.modes, "runs": results,
                "checks": checks(results, args.default_chunk_mb, {r["tag"]: r["extras"] for r in runs},
                                 {r["tag"]: r["group"] for r in runs})}
@@ -125,6 +127,10 @@ def add_optimizer_args(p):
                         "FusedAdam; apex hidden). The run fails unless Megatron-Core built that one")
     p.add_argument("--precision-aware", action="store_true",
                    help="with --optimizer te: use_precision_aware_optimizer with bf16 exp_avg and exp_avg_sq")
+    p.add_argument("--muon", action="store_true",
+                   help="Bridge's Muon recipe optimizer (distributed_muon_with_cosine_annealing: dist_muon, the "
+                        "distributed optimizer off), --optimizer's Adam on the rest; bridge_fgo serves it with "
+                        "builtin:0 only (needs emerging-optimizers)")
 
 
 def add_batch_args(p):
@@ -225,6 +231,8 @@ def main():
     args = ap.parse_args()
     if args.precision_aware and args.optimizer != "te":
         ap.error("--precision-aware needs --optimizer te (Megatron-Core takes it only from Transformer Engine's FusedAdam)")
+    if args.muon and (args.precision_aware or getattr(args, "mode", None) == "cpu"):
+        ap.error("--muon: Megatron-Core's Muon takes neither the precision-aware optimizer nor its CPU optimizer")
     if args.cmd == "run" and args.act_offload and not args.te_spec:
         ap.error("--act-offload needs --te-spec: Megatron-Bridge allows activation offloading only with "
                  "transformer_impl='transformer_engine'")

@@ -97,7 +97,8 @@ def run(args):
         entry_peak = torch.cuda.max_memory_allocated() / GIB
         if not recs:
             held["setup_peak_gib"] = entry_peak
-            held["inner_optimizer"] = check_optimizer(optimizer, args.optimizer, cpu=args.mode == "cpu")
+            held["inner_optimizer"] = check_optimizer(optimizer, args.optimizer, cpu=args.mode == "cpu",
+                                                      muon=getattr(args, "muon", False))
         else:
             recs[-1]["tail_peak_gib"] = entry_peak
         held["model"] = model

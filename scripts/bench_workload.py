@@ -14,21 +14,32 @@ FP8_RECIPES = {"delayed": "bf16_with_fp8_delayed_scaling_mixed", "tensorwise": "
 CPU_OPTIMIZER_MODULE = "megatron.core.optimizer.cpu_offloading"
 
 
+MUON_CLASS = "TensorParallelMuon"  # Megatron-Core's subclass of emerging-optimizers' Muon
+
+
 def inner_optimizers(optimizer):
-    """The optimizers inside Megatron-Core's wrapper: one per chained optimizer (MoE: dense and expert)."""
-    return [getattr(o, "optimizer", o) for o in (getattr(optimizer, "chained_optimizers", None) or [optimizer])]
+    """The optimizers inside Megatron-Core's wrappers: one per chained optimizer (MoE: dense and expert;
+    Muon: the layer-wise optimizer's), nested chains walked."""
+    chain = getattr(optimizer, "chained_optimizers", None)
+    if chain is None:
+        return [getattr(optimizer, "optimizer", optimizer)]
+    return [o for part in chain for o in inner_optimizers(part)]
 
 
-def check_optimizer(optimizer, stack, cpu=False):
+def check_optimizer(optimizer, stack, cpu=False, muon=False):
     """'module.qualname' of the optimizer Megatron-Core built; raises if it is not the stack's (with `cpu`,
-    Megatron-Core's CPU optimizer, HybridDeviceOptimizer)."""
+    Megatron-Core's CPU optimizer, HybridDeviceOptimizer; with `muon`, Muon on the matrices beside the
+    stack's Adam)."""
     names = sorted({f"{type(o).__module__}.{type(o).__qualname__}" for o in inner_optimizers(optimizer)})
     expected = CPU_OPTIMIZER_MODULE if cpu else OPTIMIZER_MODULES[stack]
-    wrong = [n for n in names if expected not in n.rsplit(".", 1)[0]]
+    wrong = [n for n in names if expected not in n.rsplit(".", 1)[0] and not (muon and n.endswith("." + MUON_CLASS))]
+    if muon and not any(n.endswith("." + MUON_CLASS) for n in names):
+        wrong.append(f"no {MUON_CLASS}")
     if wrong or not names:
-        raise RuntimeError(f"--optimizer {stack}{' --mode cpu' if cpu else ''}: Megatron-Core built "
-                           f"{names or 'no optimizer'}, expected a class from {expected}; the optimizer stack is not "
-                           "what this run claims")
+        raise RuntimeError(f"--optimizer {stack}{' --mode cpu' if cpu else ''}{' --muon' if muon else ''}: Megatron-Core "
+                           f"built {names or 'no optimizer'}, expected a class from {expected}"
+                           f"{f' and a {MUON_CLASS}' if muon else ''} (not: {', '.join(wrong) or 'none'}); the "
+                           "optimizer stack is not what this run claims")
     return names[0] if len(names) == 1 else names
 
 
@@ -142,6 +153,21 @@ def mixed_precision(args):
     return mp
 
 
+def recipe_optimizer_utils():
+    """Bridge's megatron/bridge/recipes/utils/optimizer_utils.py, loaded from its file: importing it by name runs
+    the recipes package, which imports every model family's recipes (diffusers among their needs)."""
+    import importlib.util
+
+    name = "megatron.bridge.recipes.utils.optimizer_utils"
+    if name in sys.modules:
+        return sys.modules[name]
+    (root,) = importlib.util.find_spec("megatron.bridge").submodule_search_locations
+    spec = importlib.util.spec_from_file_location(name, os.path.join(root, "recipes", "utils", "optimizer_utils.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def build(args):
     """Bridge's ConfigContainer for this run: (cfg, its OptimizerConfig, the norms replaced, data-parallel
     size, whether gradient reduction and parameter gathering overlap)."""
@@ -171,6 +197,12 @@ def build(args):
     sched = C.SchedulerConfig(start_weight_decay=0.033, end_weight_decay=0.033, weight_decay_incr_style="constant",
                               lr_decay_style="cosine", lr_warmup_iters=2, lr_warmup_init=0.0, lr_decay_iters=None,
                               override_opt_param_scheduler=True)
+    if getattr(args, "muon", False):
+        # Bridge's own Muon recipe helper (Kimi-K2, DeepSeek-V4): dist_muon with its Muon settings, Adam on the
+        # rest, the distributed optimizer off (set below for DDP, as the recipes do)
+        opt, sched = recipe_optimizer_utils().distributed_muon_with_cosine_annealing(precision="16-mixed" if args.fp16 else "bf16-mixed",
+                                                            lr_warmup_iters=2, lr_decay_iters=args.iters,
+                                                            max_lr=3e-4, min_lr=3e-5, clip_grad=1.0)
     # full activation recomputation: activations shrink to one layer's, so optimizer states dominate
     recompute = (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
                  if args.recompute else {})
@@ -214,8 +246,10 @@ def build(args):
         optimizer=opt, scheduler=sched,
         # fp16: Megatron raises on the first inf gradient unless the NaN check is off
         ddp=C.DistributedDataParallelConfig(check_for_nan_in_grad=not args.fp16, grad_reduce_in_fp32=not args.fp16,
-                                            overlap_grad_reduce=overlap, overlap_param_gather=overlap,
-                                            average_in_collective=True, use_distributed_optimizer=True),
+                                            overlap_grad_reduce=overlap,
+                                            overlap_param_gather=overlap and not getattr(args, "muon", False),
+                                            average_in_collective=True,
+                                            use_distributed_optimizer=not getattr(args, "muon", False)),
         dataset=C.MockGPTDatasetConfig(seq_length=args.seq_length, random_seed=1234, reset_attention_mask=False,
                                        reset_position_ids=False, eod_mask_loss=False, num_dataset_builder_threads=1,
                                        split="9999,8,2", dataloader_type="single", num_workers=1,

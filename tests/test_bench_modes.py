@@ -303,3 +303,34 @@ def test_results_table_compares_each_run_with_its_own_base_fp8_state_included(tm
     write("base", params="q")
     assert {row[0]: row[-1] for row in results_table.rows(str(tmp_path))}["tensorwise_streamed"] == "NO"
     assert {row[0]: row[-1] for row in results_table.rows(str(tmp_path))}["tensorwise_base"] == "yes"
+
+
+# -- Muon (issue 34) ----------------------------------------------------------------------------------------
+def test_check_optimizer_walks_the_layer_wise_chain_and_wants_muon_there():
+    muon = type("TensorParallelMuon", (), {"__module__": "megatron.core.optimizer.emerging_optimizers"})
+    adam = type("AdamW", (), {"__module__": "torch.optim.adamw"})
+    part = lambda inner: types.SimpleNamespace(optimizer=inner())  # noqa: E731
+    layer_wise = types.SimpleNamespace(chained_optimizers=[part(muon), part(adam)])
+    outer = types.SimpleNamespace(chained_optimizers=[layer_wise])
+    assert bench_workload.check_optimizer(outer, "torch", muon=True) == [
+        "megatron.core.optimizer.emerging_optimizers.TensorParallelMuon", "torch.optim.adamw.AdamW"]
+    with pytest.raises(RuntimeError, match="expected a class from torch.optim"):
+        bench_workload.check_optimizer(outer, "torch")  # Muon where the run claims Adam only
+    with pytest.raises(RuntimeError, match="no TensorParallelMuon"):
+        bench_workload.check_optimizer(types.SimpleNamespace(chained_optimizers=[part(adam)]), "torch", muon=True)
+
+
+def test_the_muon_run_takes_bridges_own_recipe_optimizer(monkeypatch):
+    from megatron.bridge.training import config
+
+    if not hasattr(config, "ValidationConfig"):
+        pytest.skip("the benchmark's workload is written for Megatron-Bridge >= 0.4 (ValidationConfig)")
+    ap = bench_offload.parser()
+    cfg, opt, _, _, _ = bench_workload.build(ap.parse_args(["run", "--mode", "builtin", "--chunk-mb", "0", "--muon"]))
+    recipe, _ = bench_workload.recipe_optimizer_utils().distributed_muon_with_cosine_annealing()
+    assert opt.optimizer == "dist_muon" and not opt.use_distributed_optimizer
+    assert not cfg.ddp.use_distributed_optimizer and not cfg.ddp.overlap_param_gather
+    assert all(getattr(opt, k) == getattr(recipe, k) for k in vars(recipe) if k.startswith("muon_"))
+    monkeypatch.setattr(sys, "argv", ["bench_offload.py", "run", "--mode", "cpu", "--muon"])
+    with pytest.raises(SystemExit):
+        bench_offload.main()  # Megatron-Core's Muon has no CPU optimizer

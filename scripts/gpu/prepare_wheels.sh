@@ -15,7 +15,8 @@ plat=(--only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 
       --platform manylinux2014_x86_64 --platform any)
 binary=(megatron-core==0.19.2 megatron-bridge==0.6.2 nvidia-modelopt==0.47.0 pydantic==2.14.3
         pydantic-core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5 nvidia-resiliency-ext==0.6.0
-        defusedxml==0.7.1 omegaconf==2.3.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19)
+        defusedxml==0.7.1 omegaconf==2.3.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
+        emerging-optimizers==0.3.0 absl-py==2.5.1)  # the last two: Muon (bench_offload.py --muon)
 [[ "${1:-}" == --with-base ]] && binary+=(wrapt==2.5.0 packaging==25.0)
 "$PY" -m pip download -q --no-deps "${plat[@]}" -d "$dest" "${binary[@]}"
 # antlr4-python3-runtime 4.9.3 is only an sdist on the registry: build its (pure-Python) wheel here
