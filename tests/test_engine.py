@@ -159,3 +159,25 @@ def test_builtin_rejects_config_before_first_step():
     with pytest.raises(bridge_fgo.BridgeFGOConfigError, match="optimizer_cpu_offload"):
         harness.run_steps(rig, steps=1)
     assert rig.events == []
+
+
+def test_states_replaced_by_a_load_are_moved_not_the_ones_they_replaced():
+    """torch's load_state_dict puts the loaded tensors in the optimizer's state, as many as before: the
+    next offload moves those, and lets go of the ones they replaced."""
+    opt = harness.make_distributed_optimizer(harness.Recorder(), with_tensors=True)
+    e = Engine([opt])
+    e.prepare()
+    opt.step_states()
+    e.offload(); e.release(); e.reload(); e.wait_reload()
+    inner = opt.optimizer
+    replaced = [t for t, _, _ in e.plan if not any(t is m for m in opt.shard_fp32_from_float16_groups[0])]
+    saved = inner.state_dict()
+    inner.load_state_dict({"state": {k: {n: v.clone() for n, v in s.items()} for k, s in saved["state"].items()},
+                           "param_groups": saved["param_groups"]})
+    loaded = [v for s in inner.state.values() for v in s.values() if v.dim()]
+    assert not ptrs(loaded) & ptrs(replaced)
+    e.offload(); e.release()
+    assert all(t.untyped_storage().nbytes() == 0 for t in loaded)  # what the step will read was moved
+    assert not any(t is r for t, _, _ in e.plan for r in replaced)
+    e.reload(); e.wait_reload()
+    assert all(t.untyped_storage().nbytes() > 0 for t in loaded)

@@ -55,7 +55,9 @@ class OneWindowEngine:
         return out
 
     def _signature(self):
-        return tuple((len(o.optimizer.state), sum(len(v) for v in o.optimizer.state.values() if isinstance(v, dict)))
+        """The state tensors each optimizer holds now, by identity: states that appeared (Adam's, after
+        the first step) and states a load put in place of others (torch's load_state_dict) replan."""
+        return tuple(tuple(id(t) for s in o.optimizer.state.values() if isinstance(s, dict) for t in s.values())
                      for o in self._alive())
 
     def _missing_bytes(self) -> int:
