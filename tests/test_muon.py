@@ -252,3 +252,59 @@ def test_adam_is_refused_where_the_chain_holds_more_than_distributed_optimizers(
     assert found.startswith("the optimizer holds SimpleNamespace beside its DistributedOptimizer: set ")
     (found,) = refusals.problems(cfg, [other], [other], builtin.who, served=builtin.optimizers)
     assert found.startswith("the optimizer holds no DistributedOptimizer (found SimpleNamespace): set ")
+
+
+# -- a save and a resume (torch_dist, as Bridge's save and load build them) -----------------------------------
+
+def _step(run, engine=None, seen=None):
+    """One optimizer step with the one window's call sites where the patched train_step has them."""
+    if engine is not None:
+        engine.offload()
+        engine.release()
+        if seen is not None:
+            seen.append([n for n, t in run.states() if t.untyped_storage().nbytes() > 0])
+    run.grads()
+    if engine is not None:
+        engine.reload()
+        engine.wait_reload()
+    run.optimizer.step()
+    if engine is not None:
+        engine.settle()
+
+
+@needs_muon
+@pytest.mark.parametrize("fmt", ["dp_reshardable", "fully_reshardable"])
+def test_a_resume_under_one_window_steps_bit_identically(tmp_path, fmt):
+    """Trained 2 steps under the one window, saved (the layer-wise optimizer's own sharded state dict), resumed
+    into another model and optimizer whose engine was prepared before the load (as the patched load_checkpoint
+    does), 2 more steps: the same as the run never interrupted and as the resume without offload; the states
+    the load put in place are the ones moved."""
+    from bridge_fgo.engine.onewindow import OneWindowEngine
+    from test_resume_dp import one_rank
+
+    ckpt, seen = str(tmp_path / "ckpt"), []
+    with one_rank(tmp_path):
+        first = muon.Run()
+        engine = OneWindowEngine(first.parts())
+        engine.prepare()
+        for i in range(4):
+            _step(first, engine)
+            if i == 1:
+                first.save(ckpt, fmt)
+        engine.close()
+        resumed = {}
+        for offload in (False, True):
+            run = muon.Run(seed=7)  # other weights: the load must replace them all
+            engine = OneWindowEngine(run.parts()) if offload else None
+            if engine is not None:
+                engine.prepare()  # planned and pinned before the load, as the patched load_checkpoint has it
+            run.load(ckpt, fmt)
+            run.generation = 2
+            for _ in range(2):
+                _step(run, engine, seen)
+            resumed[offload] = run.snapshot()
+            if engine is not None:
+                engine.close()
+    _same(first.snapshot(), resumed[False])
+    _same(resumed[False], resumed[True])
+    assert seen == [[], []]  # every master and state the resumed step reads was off the GPU in forward-backward

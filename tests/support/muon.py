@@ -28,8 +28,9 @@ def have_emerging_optimizers() -> bool:
 EVEN = {"a": (64,), "b": (8, 8), "c": (64,), "d": (8, 8), "e": (8, 8), "f": (8, 8)}
 
 
-class Run:
-    """One rank's model (DDP) and the optimizer Bridge's setup_optimizer builds for `name`."""
+class Run(dp.Run):
+    """One rank's model (DDP) and the optimizer Bridge's setup_optimizer builds for `name`; support/dp.py's
+    gradients, saves and loads (torch_dist, as Bridge's save_checkpoint and load_checkpoint build them)."""
 
     def __init__(self, name: str = "dist_muon", scalar: str = "adam", distributed: bool = False, seed: int = 0,
                  shapes=dp.SHAPES):
@@ -70,13 +71,6 @@ class Run:
         """The names of the model's parameters whose masters this rank's parts hold (whole: Muon's)."""
         names = {p: n for n, p in self.model.module.named_parameters()}
         return sorted(names[p] for part in self.parts() for g in getattr(part, "float16_groups", ()) for p in g)
-
-    def grads(self, model=None) -> None:
-        """Reduced gradients as backward leaves them in the grad buffer: made up, deterministic."""
-        for i, (_, p) in enumerate(self.model.module.named_parameters()):
-            index = torch.arange(p.numel(), dtype=torch.float32).view(p.shape)
-            p.main_grad.copy_(torch.sin(index * 0.37 + self.generation + 3 * i))
-        self.generation += 1
 
     def states(self):
         """Every master and inner tensor state of every part, as (name, tensor) in the parts' order; not
