@@ -129,8 +129,8 @@ def add_optimizer_args(p):
                    help="with --optimizer te: use_precision_aware_optimizer with bf16 exp_avg and exp_avg_sq")
     p.add_argument("--muon", action="store_true",
                    help="Bridge's Muon recipe optimizer (distributed_muon_with_cosine_annealing: dist_muon, the "
-                        "distributed optimizer off), --optimizer's Adam on the rest; bridge_fgo serves it with "
-                        "builtin:0 only (needs emerging-optimizers)")
+                        "distributed optimizer off), --optimizer's Adam on the rest; bridge_fgo serves it with the "
+                        "streamed step and builtin:0 (needs emerging-optimizers)")
 
 
 def add_batch_args(p):

@@ -1,11 +1,13 @@
 """Muon (cfg.optimizer.optimizer 'dist_muon', 'muon'), as Bridge's recipes train it:
 Megatron-Core's real optimizers, built by Bridge's real setup_optimizer (support/muon.py), stepped
-through Bridge's real train_step under bridge_fgo.patch(offload="builtin", chunk_mb=0).
+through Bridge's real train_step under bridge_fgo.patch(offload="builtin").
 
-The one-window engine moves every Muon part's fp32 masters and momenta (and the scalar optimizer's
-states, Adam or Lion) to the host for forward-backward and brings them all back for the step, which
-runs untouched: the run is bit-identical to the one without offload. The streamed step refuses Muon
-before the first step, naming chunk_mb=0; Megatron-Core's own offloaders refuse it by name.
+The streamed step takes every Muon part's fp32 masters and momenta (and the scalar optimizer's states,
+Adam or Lion) through the window chunk by chunk, whole matrices; the one window moves them all for
+forward-backward and brings them back for the step. Either way the run is bit-identical to the one
+without offload, saved and resumed too, and the masters are made on the host under the streamed step.
+What the streamed step has not checked beside Muon is refused before the first step, naming chunk_mb=0;
+Megatron-Core's own offloaders refuse Muon by name.
 
 One rank here, in this process; two data-parallel ranks (each its own matrices under dist_muon's
 LayerWiseDistributedOptimizer) in spawned processes.
@@ -34,13 +36,24 @@ CASES = [("dist_muon", "adam", False), ("dist_muon", "lion", False), ("muon", "a
 IDS = ["dist_muon", "dist_muon-lion", "muon", "muon-distributed_optimizer"]
 
 
-def _train(store_dir, name, scalar, distributed, offload, chunk_mb=0):
+def on_gpu(run, engine=None):
+    """The names of the run's masters and states that are on the GPU: neither released (the one window,
+    forward-backward) nor views of the engine's host buffer (the streamed step, between updates)."""
+    if engine is None:
+        sessions = bridge_fgo.instrument.patcher._current.callsites.registry.sessions() if bridge_fgo.is_patched() else []
+        engine = sessions[0].adapter.engine if sessions else None
+    buffer = getattr(engine, "buffer", None)
+    host = buffer.tensor.untyped_storage().data_ptr() if buffer is not None and getattr(engine, "chunks", None) else None
+    return [n for n, t in run.states() if t.untyped_storage().nbytes() > 0 and t.untyped_storage().data_ptr() != host]
+
+
+def _train(store_dir, name, scalar, distributed, offload, chunk_mb=0, shapes=None):
     """STEPS steps of Bridge's real train_step; what the run ends with, and what each forward-backward saw."""
     from test_resume_dp import one_rank
 
     with one_rank(store_dir):
         try:
-            run = muon.Run(name, scalar, distributed)
+            run = muon.Run(name, scalar, distributed, **({"shapes": shapes} if shapes else {}))
         except Exception as exc:  # a name this Megatron-Core does not build (adaptive Muon before 0.19)
             if "not supported" not in str(exc):
                 raise
@@ -48,8 +61,8 @@ def _train(store_dir, name, scalar, distributed, offload, chunk_mb=0):
         released = []
 
         def forward(model):
-            # during forward-backward: how many states are on the GPU (storage not released)
-            released.append([n for n, t in run.states() if t.untyped_storage().nbytes() > 0])
+            # during forward-backward: which states are on the GPU (neither released nor in the host buffer)
+            released.append(on_gpu(run))
             run.grads()
 
         rig = harness.Rig(cfg=harness.config_container(optimizer_cfg=run.config, mxfp8_copy=False), forward=forward)
@@ -58,6 +71,7 @@ def _train(store_dir, name, scalar, distributed, offload, chunk_mb=0):
             bridge_fgo.patch(offload="builtin", chunk_mb=chunk_mb)
         try:
             results = harness.run_steps(rig, steps=STEPS)
+            bridge_fgo.synchronize()  # the last update's copies to the host: before reading states directly
             out = {"error": None, "results": results, "on_gpu_in_forward": released, "snapshot": run.snapshot(),
                    "classes": [type(p).__name__ + "/" + type(p.optimizer).__name__ for p in run.parts()],
                    "events": list(rig.events)}
@@ -76,10 +90,11 @@ def _train(store_dir, name, scalar, distributed, offload, chunk_mb=0):
 def runs(tmp_path_factory):
     cache = {}
 
-    def get(case, offload):
-        if (case, offload) not in cache:
-            cache[case, offload] = _train(tmp_path_factory.mktemp("muon"), *case, offload)
-        return cache[case, offload]
+    def get(case, chunk_mb=None):
+        """None: without offload."""
+        if (case, chunk_mb) not in cache:
+            cache[case, chunk_mb] = _train(tmp_path_factory.mktemp("muon"), *case, chunk_mb is not None, chunk_mb or 0)
+        return cache[case, chunk_mb]
 
     return get
 
@@ -91,9 +106,10 @@ def _same(a, b):
 
 
 @needs_muon
+@pytest.mark.parametrize("chunk_mb", [0, 1], ids=["one-window", "streamed"])
 @pytest.mark.parametrize("case", CASES, ids=IDS)
-def test_muon_with_one_window_is_bit_identical_and_away_from_the_gpu_in_forward_backward(runs, case, caplog):
-    base, offloaded = runs(case, False), runs(case, True)
+def test_muon_is_bit_identical_and_away_from_the_gpu_in_forward_backward(runs, case, chunk_mb):
+    base, offloaded = runs(case), runs(case, chunk_mb)
     if base["error"] is not None:  # Megatron-Core cannot build it at all, with or without offload
         assert offloaded["error"] == base["error"]
         pytest.skip(f"this Megatron-Core does not build {case[0]!r}: {base['error'][:160]}")
@@ -108,10 +124,25 @@ def test_muon_with_one_window_is_bit_identical_and_away_from_the_gpu_in_forward_
     assert all(base["on_gpu_in_forward"][1:]) and offloaded["on_gpu_in_forward"] == [[]] * STEPS
     s = offloaded["session"]
     assert s["mode"] == "builtin" and s["calls"] == {"offload": STEPS, "release": STEPS, "reload": STEPS}
+    assert s["chunk_mb"] == chunk_mb and s["torn"] is None if chunk_mb else s["chunk_mb"] == 0
     # every master and state moves, and the host buffer sized before step 1 held them (not grown)
     assert s["bytes"] == offloaded["state_bytes"] and s["pinned_bytes"] >= s["bytes"]
     assert any(o.startswith("Muon (megatron.core.optimizer.") and o.endswith(".TensorParallelMuon)")
                for o in s["inner_optimizers"]), s["inner_optimizers"]
+
+
+@needs_muon
+def test_the_streamed_step_takes_muons_matrices_through_several_chunks_bit_identically(tmp_path):
+    """Matrices large enough for several 1 MB chunks: each chunk's pass steps its matrices and copies just
+    their masters to the model (Megatron-Core's own copy, narrowed), as one step over everything."""
+    big = {"a": (256,), "b": (256, 256), "c": (256,), "d": (256, 256), "e": (256, 256), "f": (512, 256)}
+    (tmp_path / "base").mkdir()
+    (tmp_path / "streamed").mkdir()
+    base = _train(tmp_path / "base", "dist_muon", "adam", False, False, shapes=big)
+    streamed = _train(tmp_path / "streamed", "dist_muon", "adam", False, True, chunk_mb=1, shapes=big)
+    assert streamed["session"]["chunks"] >= 3, streamed["session"]
+    assert streamed["results"] == base["results"] and streamed["on_gpu_in_forward"] == [[]] * STEPS
+    _same(base["snapshot"], streamed["snapshot"])
 
 
 @needs_muon
@@ -125,16 +156,22 @@ def test_the_host_buffer_is_sized_before_the_first_step_for_the_states_muon_make
     assert out["session"]["pinned_bytes"] == out["padded_bytes"]
 
 
-def _refused(tmp_path, name, chunk_mb):
+def _refused(tmp_path, chunk_mb, options=None, **sections):
+    """Bridge's real train_step under the patch with Muon and these config sections set: the refusal."""
     from test_resume_dp import one_rank
 
     with one_rank(tmp_path):
-        run = muon.Run(name)
-        rig = harness.Rig(cfg=harness.config_container(optimizer_cfg=run.config, mxfp8_copy=False),
-                          forward=lambda model: run.grads())
+        run = muon.Run()
+        cfg = harness.config_container(optimizer_cfg=run.config, mxfp8_copy=False)
+        for section, fields in sections.items():
+            if getattr(cfg, section, None) is None:  # (the rig's config has no logger section: Bridge's has)
+                setattr(cfg, section, types.SimpleNamespace())
+            for key, value in fields.items():
+                setattr(getattr(cfg, section), key, value)
+        rig = harness.Rig(cfg=cfg, forward=lambda model: run.grads())
         rig.optimizer = run.optimizer
         before = run.snapshot()
-        bridge_fgo.patch(offload="builtin", chunk_mb=chunk_mb)
+        bridge_fgo.patch(offload="builtin", chunk_mb=chunk_mb, **(options or {}))
         try:
             with pytest.raises(BridgeFGOConfigError) as err:
                 harness.run_steps(rig, steps=1)
@@ -145,12 +182,15 @@ def _refused(tmp_path, name, chunk_mb):
 
 
 @needs_muon
-@pytest.mark.parametrize("name", ["dist_muon", "muon"])
-def test_the_streamed_step_refuses_muon_before_anything_runs(tmp_path, name):
-    msg, events = _refused(tmp_path, name, chunk_mb=1)
-    assert re.search(r"the inner optimizer is Muon \(megatron\.core\.optimizer\.\w+\.TensorParallelMuon\): the "
-                     "streamed step does not split its step", msg), msg
-    assert "chunk_mb=0" in msg and "use_distributed_optimizer" not in msg
+@pytest.mark.parametrize("sections, options, words", [
+    (dict(model={"qk_clip": True}), None, "cfg.model.qk_clip=True with Muon"),
+    (dict(logger={"log_params_norm": True}), None, "cfg.logger.log_params_norm=True with Muon"),
+    (dict(model={"tensor_model_parallel_size": 2}), {"gpu_budget_gib": 1.0},
+     "gpu_budget_gib with Muon and cfg.model.tensor_model_parallel_size > 1"),
+], ids=["qk_clip", "log_params_norm", "budget-tp2"])
+def test_the_streamed_step_refuses_what_it_has_not_checked_beside_muon(tmp_path, sections, options, words):
+    msg, events = _refused(tmp_path, 1, options, **sections)
+    assert words in msg and "chunk_mb=0" in msg, msg
     assert "zero_grad_buffer" not in events  # Bridge's train_step never began
 
 
@@ -161,7 +201,7 @@ def test_megatron_cores_own_offloaders_refuse_muon_and_the_builtin_engine_names_
     assert refusals.problems(cfg, [], [], builtin.who, served=builtin.optimizers) == []
     *_, found = refusals.problems(cfg, [], [], "Megatron-Core's offloader")  # Adam's distributed optimizer only
     assert found.startswith("cfg.optimizer.optimizer='dist_muon': Megatron-Core's offloader supports only 'adam'")
-    assert "offload=builtin, chunk_mb=0" in found
+    assert "bridge_fgo's builtin engine moves those states: offload=builtin" in found
     cfg.optimizer.optimizer, cfg.optimizer.use_distributed_optimizer = "dist_soap", True
     (found,) = refusals.problems(cfg, [], [], builtin.who, served=builtin.optimizers)
     assert "supports only 'adam', 'muon', 'dist_muon'" in found and "does not move those states yet" in found
@@ -173,7 +213,7 @@ def test_megatron_cores_own_offloaders_refuse_muon_and_the_builtin_engine_names_
 
 # -- two data-parallel ranks: each its own matrices (dist_muon) ---------------------------------------
 
-def _rank(rank, world, port, out_dir, offload):
+def _rank(rank, world, port, out_dir, offload, chunk_mb=0):
     from support import te_free
 
     te_free.install()
@@ -188,8 +228,9 @@ def _rank(rank, world, port, out_dir, offload):
                               forward=lambda model: run.grads())
             rig.optimizer = run.optimizer
             if offload:
-                bridge_fgo.patch(offload="builtin", chunk_mb=0)
+                bridge_fgo.patch(offload="builtin", chunk_mb=chunk_mb)
             results = harness.run_steps(rig, steps=STEPS)
+            bridge_fgo.synchronize()
             session = bridge_fgo.status().sessions if offload else []
             bridge_fgo.unpatch()
             out = {"results": results, "snapshot": run.snapshot(), "sessions": session,
@@ -202,20 +243,21 @@ def _rank(rank, world, port, out_dir, offload):
 
 
 @needs_muon
-def test_two_data_parallel_ranks_each_move_their_own_matrices_bit_identically(tmp_path):
+@pytest.mark.parametrize("chunk_mb", [0, 1], ids=["one-window", "streamed"])
+def test_two_data_parallel_ranks_each_move_their_own_matrices_bit_identically(tmp_path, chunk_mb):
     from test_agree import run_ranks_with
 
     got = {}
     for offload in (False, True):
         d = tmp_path / str(offload)
         d.mkdir()
-        run_ranks_with(_rank, d, offload, world=2)
+        run_ranks_with(_rank, d, offload, chunk_mb, world=2)
         got[offload] = [torch.load(d / f"rank{r}.pt", weights_only=False) for r in range(2)]
     for base, off in zip(got[False], got[True]):
         assert off["results"] == base["results"]
         _same(base["snapshot"], off["snapshot"])
         (s,) = off["sessions"]
-        assert s["calls"]["offload"] == STEPS
+        assert s["calls"]["offload"] == STEPS and s["chunk_mb"] == chunk_mb
     # the layer-wise optimizer splits the matrices between the ranks: each moves its own
     owned = [set(r["owned"]) for r in got[True]]
     assert owned[0] and owned[1] and not owned[0] & owned[1] and owned[0] | owned[1] == set(muon.EVEN)
@@ -257,12 +299,12 @@ def test_adam_is_refused_where_the_chain_holds_more_than_distributed_optimizers(
 # -- a save and a resume (torch_dist, as Bridge's save and load build them) -----------------------------------
 
 def _step(run, engine=None, seen=None):
-    """One optimizer step with the one window's call sites where the patched train_step has them."""
+    """One optimizer step with the engine's call sites where the patched train_step has them."""
     if engine is not None:
         engine.offload()
         engine.release()
         if seen is not None:
-            seen.append([n for n, t in run.states() if t.untyped_storage().nbytes() > 0])
+            seen.append(on_gpu(run, engine))
     run.grads()
     if engine is not None:
         engine.reload()
@@ -270,41 +312,113 @@ def _step(run, engine=None, seen=None):
     run.optimizer.step()
     if engine is not None:
         engine.settle()
+        engine.synchronize()
+
+
+def _engine(run, streamed):
+    from bridge_fgo.engine.onewindow import OneWindowEngine
+    from bridge_fgo.engine.streamed import StreamedEngine
+
+    return StreamedEngine(run.parts(), CHUNK) if streamed else OneWindowEngine(run.parts())
+
+
+CHUNK = 300  # bytes: several chunks, a matrix's states alone in some
 
 
 @needs_muon
+@pytest.mark.parametrize("streamed", [False, True], ids=["one-window", "streamed"])
 @pytest.mark.parametrize("fmt", ["dp_reshardable", "fully_reshardable"])
-def test_a_resume_under_one_window_steps_bit_identically(tmp_path, fmt):
-    """Trained 2 steps under the one window, saved (the layer-wise optimizer's own sharded state dict), resumed
-    into another model and optimizer whose engine was prepared before the load (as the patched load_checkpoint
-    does), 2 more steps: the same as the run never interrupted and as the resume without offload; the states
-    the load put in place are the ones moved."""
-    from bridge_fgo.engine.onewindow import OneWindowEngine
+def test_a_resume_steps_bit_identically(tmp_path, fmt, streamed):
+    """Trained 2 steps, saved (the layer-wise optimizer's own sharded state dict), resumed into another
+    model and optimizer whose engine was prepared before the load (as the patched load_checkpoint does),
+    2 more steps: the same as the run never interrupted and as the resume without offload; what the
+    resumed steps read was off the GPU in forward-backward (the streamed step: loaded into its host buffer)."""
     from test_resume_dp import one_rank
 
-    ckpt, seen = str(tmp_path / "ckpt"), []
-    with one_rank(tmp_path):
+    from test_resume_dp import _sharded_tensors
+
+    ckpt, seen, into = str(tmp_path / "ckpt"), [], {}
+    with one_rank(tmp_path) as gpu:
         first = muon.Run()
-        engine = OneWindowEngine(first.parts())
+        engine = _engine(first, streamed)
         engine.prepare()
         for i in range(4):
             _step(first, engine)
             if i == 1:
                 first.save(ckpt, fmt)
+        uninterrupted = first.snapshot()
         engine.close()
         resumed = {}
         for offload in (False, True):
             run = muon.Run(seed=7)  # other weights: the load must replace them all
-            engine = OneWindowEngine(run.parts()) if offload else None
-            if engine is not None:
-                engine.prepare()  # planned and pinned before the load, as the patched load_checkpoint has it
-            run.load(ckpt, fmt)
+            engine = _engine(run, streamed) if offload else None
+            # planned and pinned before the load, as the patched load_checkpoint has it (support/dp.py's load
+            # prepares the engine it is given, and tells it after)
+            if engine is not None and not streamed:
+                engine.prepare()
+            def filled(loading, engine=engine):
+                """Where torch_dist is about to write each master and state: in the host buffer, or not."""
+                if engine is not None and streamed:
+                    low = engine.buffer.tensor.data_ptr()
+                    high = low + engine.buffer.tensor.numel()
+                    into[offload] = [(t.key, low <= t.data.data_ptr() < high) for t, _ in _sharded_tensors(loading["optimizer"])
+                                     if t.data is not None and t.data.numel()]
+
+            run.load(ckpt, fmt, engine if streamed else None, gpu, filled)
+            if streamed and engine is not None:
+                seen.append(on_gpu(run, engine))  # loaded into the host buffer
+
             run.generation = 2
             for _ in range(2):
                 _step(run, engine, seen)
             resumed[offload] = run.snapshot()
             if engine is not None:
+                assert not streamed or len(engine.chunks) > 2
                 engine.close()
-    _same(first.snapshot(), resumed[False])
+    _same(uninterrupted, resumed[False])
     _same(resumed[False], resumed[True])
-    assert seen == [[], []]  # every master and state the resumed step reads was off the GPU in forward-backward
+    assert seen == [[]] * (3 if streamed else 2)
+    if streamed:
+        # torch_dist writes every master straight into the pinned buffer; Muon's momenta into what Megatron-Core's
+        # init_state_fn makes where the masters are (zeros like them: on the host), which the load then takes
+        # into the buffer (`seen` above)
+        masters = [inside for key, inside in into[True] if ".fp32_param." in key]
+        assert masters and all(masters), into
+
+
+@needs_muon
+def test_under_the_streamed_step_muons_masters_are_made_on_the_host_one_at_a_time(tmp_path, caplog):
+    """Megatron-Core's Float16OptimizerWithFloat16Params makes each whole master on the GPU: patched, each goes
+    to the host as soon as it is made (construction.py), and the run then steps bit-identically."""
+    from bridge_fgo.engine import construction
+    from test_resume_dp import one_rank
+
+    with one_rank(tmp_path):
+        base = muon.Run()
+        bridge_fgo.patch(offload="builtin", chunk_mb=1)
+        import megatron.bridge.training.train  # noqa: F401  (Bridge's pretrain imports it before its setup: patched)
+        try:
+            assert bridge_fgo.status().outcome == "patched"
+            with caplog.at_level(logging.INFO, logger="bridge_fgo"):
+                run = muon.Run()
+            masters = [m for part in run.parts() for m in muon_masters(part)]
+            assert masters and all(construction.is_staged(m) for m in masters)
+            assert not any(construction.is_staged(m) for part in base.parts() for m in muon_masters(part))
+            lines = [m for m in caplog.messages if "whole master(s)" in m]  # one per optimizer of the layer-wise chain
+            made = [re.search(r"fp32 masters made on the host: (\d+) whole master\(s\)", m) for m in lines]
+            assert len(lines) == len(run.parts()) and sum(int(m.group(1)) for m in made) == len(masters), lines
+            for r in (base, run):
+                rig = harness.Rig(cfg=harness.config_container(optimizer_cfg=r.config, mxfp8_copy=False),
+                                  forward=lambda model, r=r: r.grads())
+                rig.optimizer = r.optimizer
+                harness.run_steps(rig, steps=2)
+            bridge_fgo.synchronize()
+            _same(base.snapshot(), run.snapshot())
+        finally:
+            bridge_fgo.unpatch()
+
+
+def muon_masters(part):
+    from bridge_fgo.engine.tensors import masters
+
+    return masters(part)

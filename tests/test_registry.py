@@ -117,7 +117,10 @@ def test_the_target_table():
         ("clip_qk", "megatron.bridge.training.train", "qk-clip"),
         ("save_checkpoint", "megatron.bridge.training.checkpointing", "save"),
         ("_build_model_and_main_param_groups", "megatron.core.optimizer.distrib_optimizer", "build"),
+        ("__init__", "megatron.core.optimizer.optimizer", "build-whole"),
     ]
+    assert targets.target("__init__").qualname == (
+        "megatron.core.optimizer.optimizer.Float16OptimizerWithFloat16Params.__init__")
     assert targets.target("_build_model_and_main_param_groups").qualname == (
         "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer._build_model_and_main_param_groups")
     assert [a.qualname for a in targets.ALIASES] == ["megatron.bridge.training.pretrain.train"]

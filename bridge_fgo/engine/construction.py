@@ -126,3 +126,27 @@ def build_on_host(wrapped, args, kwargs, chunk_bytes: int, built: Optional[Built
         for acc, one in zip(results, lists):
             acc.append(one)
     return tuple(results)
+
+
+def whole_on_host(wrapped, args, kwargs, built: Optional[Built] = None):
+    """Megatron-Core's Float16OptimizerWithFloat16Params.__init__ (what it builds for Muon), each fp32 master
+    moved to the host as soon as it is made. The constructor makes one (`param.detach().clone().float()`)
+    and at once copies the tensor-parallel attributes onto it (tensor_parallel.
+    copy_tensor_model_parallel_attributes(main_param, param), megatron-core 0.16 to 0.19; the patch checks
+    the name is in its code): there the master goes to the host, so the GPU holds one at a time."""
+    from megatron.core import tensor_parallel
+
+    built = built if built is not None else Built()
+    name = "copy_tensor_model_parallel_attributes"
+    copy_attributes = vars(tensor_parallel)[name]
+
+    def copy_then_host(main_param, param, *a, **k):
+        out = copy_attributes(main_param, param, *a, **k)
+        _to_host([main_param], built, 4 * main_param.numel())
+        return out
+
+    setattr(tensor_parallel, name, copy_then_host)
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        setattr(tensor_parallel, name, copy_attributes)

@@ -20,7 +20,7 @@ transformer_engine/pytorch/optimizers/fused_adam.py (TE 2.20 main, commit 04912b
 apex/optimizers/fused_adam.py (main 6424da3b, 2026-07: empty param groups skipped since #1596,
 param_groups_master paired by position since #1625); emerging-optimizers 0.3.0
 orthogonalized_optimizers/ and scalar_optimizers/lion.py with megatron-core 0.19.2
-optimizer/emerging_optimizers.py (Muon and Lion: the one-window engine only).
+optimizer/emerging_optimizers.py (Muon and Lion).
 """
 from __future__ import annotations
 
@@ -193,10 +193,13 @@ class ApexFusedAdam(Contract):
         return []
 
 
-class OneWindowOnly(Contract):
-    """An optimizer the one-window engine serves (it moves whatever states exist, and runs step()
-    untouched): its states predicted, so the host buffer is sized before step 1; the streamed step,
-    which would split step() over chunks, refuses it."""
+class Emerging(Contract):
+    """An emerging-optimizers optimizer: per-parameter states made in its _init_group (`if len(state) ==
+    0`: zeros like the parameter), nothing in the param group advanced by step(), each parameter updated
+    on its own (Muon's Newton-Schulz on the whole matrix, inside step())."""
+
+    # Muon: Newton-Schulz's temporaries, a few of the matrix's size, one matrix at a time
+    step_scratch = 2.0
 
     def __init__(self, name, states):
         self.name = name
@@ -205,9 +208,12 @@ class OneWindowOnly(Contract):
     def states(self, inner, p, group):
         return self._states(inner, p, group)
 
-    def streamed_problems(self, inner):
-        return [f"the inner optimizer is {self.name} ({class_path(inner)}): the streamed step does not split its "
-                "step() over chunks yet; use chunk_mb=0 (one window, step() over everything)"]
+    def create(self, inner, p, group, device):
+        import torch
+
+        state = inner.state[p]
+        for spec in self.states(inner, p, group):
+            state[spec.key] = torch.zeros_like(p.data)
 
 
 def _muon_states(inner, p, group):
@@ -225,10 +231,10 @@ CONTRACTS: Dict[str, Contract] = {
     TORCH_ADAM: TorchAdam("torch Adam"),
     TE_FUSED_ADAM: TEFusedAdam(),
     APEX_FUSED_ADAM: ApexFusedAdam(),
-    MCORE_MUON: OneWindowOnly("Muon", _muon_states),
-    MCORE_MUON_0_17: OneWindowOnly("Muon", _muon_states),
-    EO_MUON: OneWindowOnly("Muon", _muon_states),
-    EO_LION: OneWindowOnly("Lion", _lion_states),
+    MCORE_MUON: Emerging("Muon", _muon_states),
+    MCORE_MUON_0_17: Emerging("Muon", _muon_states),
+    EO_MUON: Emerging("Muon", _muon_states),
+    EO_LION: Emerging("Lion", _lion_states),
 }
 
 
@@ -257,8 +263,9 @@ def streamed_problems(inners) -> List[str]:
         c = of(inner)
         if c is None:
             out.append(f"the inner optimizer is {class_path(inner)}: the streamed step splits step() over chunks "
-                       "of parameters and reproduces exactly only torch AdamW/Adam, Transformer Engine FusedAdam "
-                       "and apex FusedAdam; use chunk_mb=0 (one window, step() over everything)")
+                       "of parameters and reproduces exactly only torch AdamW/Adam, Transformer Engine FusedAdam, "
+                       "apex FusedAdam, and emerging-optimizers' Muon and Lion; use chunk_mb=0 (one window, step() "
+                       "over everything)")
         else:
             out += [p for p in c.streamed_problems(inner) if p not in out]
     return out

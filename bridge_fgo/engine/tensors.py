@@ -4,7 +4,7 @@ The optimizers whose states move (the parts): a DistributedOptimizer (Adam, its 
 the data-parallel group), and a Float16OptimizerWithFloat16Params (what Megatron-Core builds for Muon:
 each matrix whole, under a LayerWiseDistributedOptimizer whole matrices per data-parallel rank).
 
-What moves: the fp32 master copies of bf16/fp16 parameters (MASTER_GROUPS) and every per-parameter
+What moves: the fp32 master copies of bf16/fp16 parameters (Kind.masters) and every per-parameter
 tensor state of the inner optimizer (Adam's moments; TE FusedAdam's master_param and the scales of
 its non-fp32 states; Muon's momentum). What never moves: model parameters, the param and grad
 buffers, fp32 shards that alias model parameters, 0-dim states (torch's step counters), and any
@@ -77,28 +77,46 @@ def inner_tensors(t) -> List[object]:
     return [x for n in names for x in inner_tensors(getattr(t, n))]
 
 
-# Where each part keeps its fp32 masters of bf16/fp16 parameters: DistributedOptimizer (its shards),
-# Float16OptimizerWithFloat16Params (whole parameters)
-MASTER_GROUPS = ("shard_fp32_from_float16_groups", "fp32_from_float16_groups")
-# What they keep of the model itself: the bf16/fp16 and fp32 model parameters (a Float16Optimizer steps
-# fp32 parameters in place), the shards of them a DistributedOptimizer views
-MODEL_GROUPS = ("model_float16_groups", "model_fp32_groups", "shard_fp32_groups", "shard_float16_groups",
-                "float16_groups", "fp32_from_fp32_groups")
+@dataclasses.dataclass(frozen=True)
+class Kind:
+    """Where one kind of part keeps, by param group, its fp32 masters of bf16/fp16 parameters
+    (`masters`), the model parameters they are masters of (`models`, same positions), and the fp32
+    parameters it steps in place (`fp32`: the model's; a DistributedOptimizer's shards of them too)."""
+
+    masters: str
+    models: str
+    fp32: Tuple[str, ...]
+    shards: Tuple[str, ...] = ()  # a DistributedOptimizer's views of model parameters
+
+    @property
+    def model_groups(self) -> Tuple[str, ...]:
+        """The model's own parameters, bf16/fp16 and fp32."""
+        return (self.models, self.fp32[-1])
+
+
+DISTRIBUTED = Kind("shard_fp32_from_float16_groups", "model_float16_groups", ("shard_fp32_groups", "model_fp32_groups"),
+                   ("shard_float16_groups",))
+FLOAT16 = Kind("fp32_from_float16_groups", "float16_groups", ("fp32_from_fp32_groups",))
+KINDS = (DISTRIBUTED, FLOAT16)
+
+
+def kind_of(opt) -> Kind:
+    for kind in KINDS:
+        if getattr(opt, kind.masters, None) is not None:
+            return kind
+    return DISTRIBUTED  # (a part without masters: nothing of it moves but its states)
 
 
 def masters(opt) -> List[object]:
     """The part's fp32 masters of bf16/fp16 parameters, in its order."""
-    for name in MASTER_GROUPS:
-        groups = getattr(opt, name, None)
-        if groups is not None:
-            return list(flat(groups))
-    return []
+    return list(flat(getattr(opt, kind_of(opt).masters, None)))
 
 
 def excluded_storages(opt) -> Set[int]:
     """Storages that never move: model parameters, fp32 shards that alias them, param/grad buffers."""
     keys = set()
-    for name in MODEL_GROUPS:
+    kind = kind_of(opt)
+    for name in (kind.models, *kind.fp32, *kind.shards):
         keys.update(storage_key(t) for t in flat(getattr(opt, name, None)))
     for buf in getattr(opt, "buffers", None) or ():
         for attr in ("param_data", "grad_data"):
@@ -190,9 +208,9 @@ def same(a, b) -> bool:
 
 def model_params_of_masters(opt) -> dict:
     """id(master) -> (group index, model parameter): for Megatron-Core's master -> model copy."""
-    out = {}
-    for gi, (models, masters) in enumerate(zip(getattr(opt, "model_float16_groups", None) or (),
-                                               getattr(opt, "shard_fp32_from_float16_groups", None) or ())):
+    out, kind = {}, kind_of(opt)
+    for gi, (models, masters) in enumerate(zip(getattr(opt, kind.models, None) or (),
+                                               getattr(opt, kind.masters, None) or ())):
         for model_param, master in zip(models, masters):
             if master is not None:  # None under the precision-aware optimizer: the optimizer holds it
                 out[id(master)] = (gi, model_param)

@@ -16,6 +16,7 @@ from typing import Dict, List
 
 from ..errors import BridgeFGOError
 from . import quantized
+from .tensors import kind_of
 from .uninterrupted import each
 
 _MISSING = object()
@@ -179,7 +180,8 @@ def copy_masters(opt, masters, model_of, kept=None) -> None:
     """Megatron-Core's own _copy_main_params_to_model_params, narrowed to these masters, so the
     model parameters read whole, updated masters while they are on the GPU. Quantized parameters
     (quantized.py) are only kept in `kept` here: their one cast is copy_rest's."""
-    n_groups = len(opt.model_float16_groups)
+    kind = kind_of(opt)
+    n_groups = len(getattr(opt, kind.models))
     mains, models = [[] for _ in range(n_groups)], [[] for _ in range(n_groups)]
     for m in masters:
         gi, model_param = model_of[id(m)]
@@ -189,8 +191,7 @@ def copy_masters(opt, masters, model_of, kept=None) -> None:
         mains[gi].append(m)
         models[gi].append(model_param)
     extra = {} if kept is None else quantized.without_quantization(opt)
-    with shadowed(opt, shard_fp32_from_float16_groups=mains, model_float16_groups=models,
-                  shard_fp32_groups=[], model_fp32_groups=[], **extra):
+    with shadowed(opt, **{kind.masters: mains, kind.models: models}, **{name: [] for name in kind.fp32}, **extra):
         type(opt)._copy_main_params_to_model_params(opt)
 
 
@@ -202,8 +203,9 @@ def copy_rest(opt, copied_masters: bool, *args, kept=None, **kwargs):
     if not copied_masters:
         return copy(opt, *args, **kwargs)
     mains, models = kept.groups(opt) if kept is not None else ([], [])
+    kind = kind_of(opt)
     try:
-        with shadowed(opt, shard_fp32_from_float16_groups=mains, model_float16_groups=models):
+        with shadowed(opt, **{kind.masters: mains, kind.models: models}):
             return copy(opt, *args, **kwargs)
     finally:
         if kept is not None:

@@ -86,6 +86,7 @@ class CallSites:
         """The wrapt wrapper for a target, chosen by its role."""
         method = {targets.LOOP: self.train, targets.STEP: self.train_step,
                   targets.RELEASE_SITE: self.copy_helper, targets.BUILD: self.build_masters,
+                  targets.BUILD_WHOLE: self.build_whole_masters,
                   targets.LOAD: self.load_checkpoint, targets.PARAMS_NORM: self.params_norm,
                   targets.QK_CLIP: self.clip_qk, targets.SAVE: self.save_checkpoint}[target.role]
         return functools.partial(method, target.name)
@@ -233,6 +234,20 @@ class CallSites:
             logger.info("%sfp32 masters made on the host: %d master(s), %d bytes, in %d batch(es) of at most %d "
                         "bytes on the GPU", rank_prefix(), built.masters, built.bytes, built.batches,
                         built.largest_batch)
+        return result
+
+    def build_whole_masters(self, name, wrapped, instance, args, kwargs):
+        """Megatron-Core makes whole fp32 masters (Float16OptimizerWithFloat16Params: Muon's): with the
+        streamed step, each moved to host memory as soon as it is made (construction.py)."""
+        if not (self.enabled and self.options.offload == "builtin" and self.options.chunk_mb):
+            return wrapped(*args, **kwargs)
+        from ..engine import construction
+
+        built = construction.Built()
+        result = construction.whole_on_host(wrapped, args, kwargs, built)
+        if built.masters:
+            logger.info("%sfp32 masters made on the host: %d whole master(s), %d bytes, one at a time on the GPU (at "
+                        "most %d bytes)", rank_prefix(), built.masters, built.bytes, built.largest_batch)
         return result
 
     def load_checkpoint(self, name, wrapped, instance, args, kwargs):

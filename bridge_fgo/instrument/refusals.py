@@ -25,7 +25,7 @@ def _full_iteration_cuda_graph(model_cfg) -> bool:
 # What Megatron-Core 0.19.2 builds for the names Bridge's recipes use other than 'adam' (read in
 # optimizer/__init__.py, emerging_optimizers.py, layer_wise_optimizer.py): said in the refusal
 _EMERGING = ("muon", "adaptive_muon", "soap")
-# The names whose states the builtin engine moves with one window (chunk_mb=0): emerging-optimizers'
+# The names whose states the builtin engine moves (the streamed step and the one window): emerging-optimizers'
 # Muon on the matrices in Float16OptimizerWithFloat16Params (dist_: under a LayerWiseDistributedOptimizer),
 # Adam or Lion (muon_scalar_optimizer) on the rest
 # ('adaptive_muon' is not among them: with megatron-core 0.19.2 and emerging-optimizers 0.3.0 its step
@@ -40,7 +40,7 @@ def _not_adam(opt, name: str) -> str:
         layer_wise = name.startswith("dist_") or getattr(opt, "use_layer_wise_distributed_optimizer", False)
         layout = ("in a LayerWiseDistributedOptimizer, whole matrices per data-parallel rank" if layer_wise
                   else "every rank holding every matrix's states")
-        how = ("bridge_fgo's builtin engine moves those states with one window: offload=builtin, chunk_mb=0"
+        how = ("bridge_fgo's builtin engine moves those states: offload=builtin"
                if name in MUON else "bridge_fgo does not move those states yet")
         return (f" (Megatron-Core builds {bare!r} from emerging-optimizers as Float16OptimizerWithFloat16Params "
                 f"{layout}, beside a DistributedOptimizer or a Float16OptimizerWithFloat16Params for the rest; "
@@ -199,7 +199,31 @@ def quantized_params(cfg, fix: str) -> List[str]:
     return out
 
 
-def streamed(cfg, inner_optimizers) -> List[str]:
+def muon_streamed(cfg, inner_optimizers, options, fix: str) -> List[str]:
+    """What the streamed step does not serve beside Muon: what reads or orders its whole matrices outside
+    the passes as no run has checked yet (qk_clip, MuonClip's; the parameter norm), and a budget with
+    tensor parallelism (each rank would choose which matrices stay resident, and so the order in which
+    they step, by its own memory: Newton-Schulz may gather a matrix across the tensor-parallel ranks)."""
+    from ..engine import contracts
+
+    if not any(contracts.is_muon(o) for o in inner_optimizers):
+        return []
+    model, log = getattr(cfg, "model", None), getattr(cfg, "logger", None)
+    out = []
+    if getattr(model, "qk_clip", False):
+        out.append(f"cfg.model.qk_clip=True with Muon: the streamed step has not been checked clipping Muon's whole "
+                   f"matrices inside its passes; set it to False{fix}")
+    if getattr(log, "log_params_norm", False):
+        out.append(f"cfg.logger.log_params_norm=True with Muon: the streamed step has not been checked presenting "
+                   f"Muon's masters to the norm; set it to False{fix}")
+    if getattr(options, "gpu_budget_gib", None) is not None and (getattr(model, "tensor_model_parallel_size", 1) or 1) > 1:
+        out.append(f"gpu_budget_gib with Muon and cfg.model.tensor_model_parallel_size > 1: each rank would keep "
+                   f"other matrices resident, and step them in another order than its tensor-parallel peers; unset "
+                   f"gpu_budget_gib{fix}")
+    return out
+
+
+def streamed(cfg, inner_optimizers, options=None) -> List[str]:
     """What the builtin engine's streamed step (chunk_mb > 0) cannot serve, each with its field and
     the fix; the one-window engine (chunk_mb=0) serves all of these."""
     from ..engine import contracts
@@ -216,4 +240,5 @@ def streamed(cfg, inner_optimizers) -> List[str]:
     # stages them without offload, and its load copies into them (tests/test_resume_dp.py)
     out += checkpoint_format(cfg, fix)
     out += [f"{p}" for p in contracts.streamed_problems(inner_optimizers)]
+    out += muon_streamed(cfg, inner_optimizers, options, fix)
     return out

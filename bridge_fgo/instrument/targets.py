@@ -19,6 +19,7 @@ LOOP = "loop"  # the training loop: decides per optimizer, states resident at it
 STEP = "step"  # one training step: decides, makes the Session current while it runs
 RELEASE_SITE = "release-site"  # offload before it, release after it
 BUILD = "build"  # Megatron-Core makes the fp32 masters: made on the host, a batch at a time
+BUILD_WHOLE = "build-whole"  # Megatron-Core makes Muon's whole fp32 masters: each moved to the host once made
 LOAD = "load"  # a checkpoint load: the states placed on the host before it, so it writes there
 PARAMS_NORM = "params-norm"  # the parameter norm train() logs: host-bound masters read as their norms
 QK_CLIP = "qk-clip"  # clip_qk after optimizer.step(): served inside the streamed update
@@ -61,6 +62,7 @@ class Target:
 TRAIN_MODULE = "megatron.bridge.training.train"
 CHECKPOINT_MODULE = "megatron.bridge.training.checkpointing"
 DIST_OPTIMIZER_MODULE = "megatron.core.optimizer.distrib_optimizer"  # imported with Bridge's train module
+OPTIMIZER_MODULE = "megatron.core.optimizer.optimizer"  # imported by the one above
 TARGETS: Tuple[Target, ...] = (
     Target("train", TRAIN_MODULE, LOOP, "the training loop: states resident when it ends, the run's summary",
            params=("model", "optimizer", "global_state"), calls=("train_step",)),
@@ -84,6 +86,10 @@ TARGETS: Tuple[Target, ...] = (
     Target("_build_model_and_main_param_groups", DIST_OPTIMIZER_MODULE, BUILD,
            "Megatron-Core's construction of the fp32 masters: run a batch of parameters at a time, masters to the host",
            params=("gbuf_ranges", "param_gbuf_map", "opt_group_ranges", "config"), owner="DistributedOptimizer"),
+    Target("__init__", OPTIMIZER_MODULE, BUILD_WHOLE,
+           "Megatron-Core's construction of whole fp32 masters (Muon's): each moved to the host as soon as it is made",
+           params=("optimizer", "config", "grad_scaler", "init_state_fn"), calls=("copy_tensor_model_parallel_attributes",),
+           owner="Float16OptimizerWithFloat16Params"),
 )
 MODULES: Tuple[str, ...] = tuple(dict.fromkeys(t.module for t in TARGETS))
 

@@ -40,6 +40,7 @@ class Run(dp.Run):
         from megatron.core.optimizer import layer_wise_optimizer
 
         config, module = dp.model(seed, shapes)
+        module.cuda()  # where Megatron makes its parameters (the CPU playing the GPU: support/dp.py's gpu_on_cpu)
         # Bridge's model setup tags them where Megatron-Core routes buffers by it (0.19)
         tag = getattr(layer_wise_optimizer, "tag_params_for_buffer_routing", None)
         if tag is not None:

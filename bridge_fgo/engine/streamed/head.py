@@ -32,6 +32,7 @@ from typing import Callable, List, Optional, Tuple
 
 from ...log import logger, once, rank_prefix
 from ..firststep import margin
+from ..tensors import kind_of
 
 MARKS = (512 * 2039, 512 * 2029)  # bytes; small-pool sizes no model is likely to allocate back to back
 TRACE_ENTRIES = 4_000_000  # the allocator's event ring for the measured step
@@ -150,7 +151,7 @@ class Head:
 
         for part in self.plan.parts:
             opt = part.opt
-            for name in ("model_float16_groups", "model_fp32_groups"):
+            for name in kind_of(opt).model_groups:
                 for group in getattr(opt, name, None) or ():
                     for p in group:
                         if getattr(p, "requires_grad", False) and hasattr(p, "register_post_accumulate_grad_hook"):

@@ -10,14 +10,15 @@ from typing import Collection, Dict, Iterator, List, Optional, Tuple
 
 from ...errors import BridgeFGOError
 from .. import contracts, layout, quantized
-from ..tensors import MASTER, Bindings, Entry, Movable, flat, inner_params, model_params_of_masters, same
+from ..tensors import (MASTER, Bindings, Entry, Movable, flat, inner_params, kind_of, masters, model_params_of_masters,
+                       same)
 
 
 def compute_device(parts):
     """Where the update runs: the model parameters' device (masters may live on the host already)."""
     for part in parts:
         opt = part.opt
-        for name in ("model_float16_groups", "model_fp32_groups"):
+        for name in kind_of(opt).model_groups:
             for t in flat(getattr(opt, name, None)):
                 return t.device
     params = [p for part in parts for _, p in inner_params(part.inner)]
@@ -25,7 +26,8 @@ def compute_device(parts):
 
 
 class Part:
-    """One DistributedOptimizer of the chain."""
+    """One optimizer of the chain whose states move: a DistributedOptimizer, or a
+    Float16OptimizerWithFloat16Params (Muon's: tensors.Kind)."""
 
     def __init__(self, index: int, opt):
         self.index = index
@@ -120,8 +122,8 @@ class Plan:
             movable = Movable(opt)
             part.model_of = model_params_of_masters(opt)
             moved_masters = set()
-            for t in (m for g in getattr(opt, "shard_fp32_from_float16_groups", None) or () for m in g):
-                if t is not None and movable.take(t):
+            for t in masters(opt):
+                if movable.take(t):
                     moved_masters.add(id(t))
             part.bundles = [layout.bundle_of(part.index, gi, p, inner.param_groups[gi], inner, part.contract,
                                              movable, id(p) in moved_masters)

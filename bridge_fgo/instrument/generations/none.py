@@ -22,7 +22,7 @@ class _None(Generation):
     who = "bridge_fgo's builtin engine"
     flag = "cfg.optimizer.offload_optimizer_states"
     has_offloader = False
-    # Muon's states too, with one window (engine/contracts.py: the streamed step refuses them)
+    # Muon's states too (refusals.muon_streamed: what the streamed step does not serve beside it)
     optimizers = refusals.ADAM + refusals.MUON
 
     def detect(self, cls) -> bool:
@@ -31,7 +31,7 @@ class _None(Generation):
     def refusals(self, cfg, options, inner_optimizers) -> List[str]:
         if not options.chunk_mb:
             return []
-        return refusals.streamed(cfg, inner_optimizers)
+        return refusals.streamed(cfg, inner_optimizers, options)
 
     def build(self, optimizer, cfg, dist_optimizers, options) -> Adapter:
         # imported here: the registry is read by `import bridge_fgo`, which must not load the engine
