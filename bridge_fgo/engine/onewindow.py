@@ -17,7 +17,7 @@ from typing import List, Optional, Tuple
 from .. import hostmem
 from ..log import logger, rank_prefix
 from . import contracts, copies as copies_mod
-from .tensors import Movable, aligned, inner_params, masters, inner_tensors, nbytes_like, nbytes_of, padded
+from .tensors import Movable, aligned, inner_params, inner_tensors, masters, nbytes_like, nbytes_of, padded
 
 
 class OneWindowEngine:
