@@ -390,7 +390,7 @@ def test_a_resume_steps_bit_identically(tmp_path, fmt, streamed):
 def test_under_the_streamed_step_muons_masters_are_made_on_the_host_one_at_a_time(tmp_path, caplog):
     """Megatron-Core's Float16OptimizerWithFloat16Params makes each whole master on the GPU: patched, each goes
     to the host as soon as it is made (construction.py), and the run then steps bit-identically."""
-    from bridge_fgo.engine import construction
+    from bridge_fgo.engine import construction, tensors
     from test_resume_dp import one_rank
 
     with one_rank(tmp_path):
@@ -401,9 +401,9 @@ def test_under_the_streamed_step_muons_masters_are_made_on_the_host_one_at_a_tim
             assert bridge_fgo.status().outcome == "patched"
             with caplog.at_level(logging.INFO, logger="bridge_fgo"):
                 run = muon.Run()
-            masters = [m for part in run.parts() for m in muon_masters(part)]
+            masters = [m for part in run.parts() for m in tensors.masters(part)]
             assert masters and all(construction.is_staged(m) for m in masters)
-            assert not any(construction.is_staged(m) for part in base.parts() for m in muon_masters(part))
+            assert not any(construction.is_staged(m) for part in base.parts() for m in tensors.masters(part))
             lines = [m for m in caplog.messages if "whole master(s)" in m]  # one per optimizer of the layer-wise chain
             made = [re.search(r"fp32 masters made on the host: (\d+) whole master\(s\)", m) for m in lines]
             assert len(lines) == len(run.parts()) and sum(int(m.group(1)) for m in made) == len(masters), lines
@@ -416,9 +416,3 @@ def test_under_the_streamed_step_muons_masters_are_made_on_the_host_one_at_a_tim
             _same(base.snapshot(), run.snapshot())
         finally:
             bridge_fgo.unpatch()
-
-
-def muon_masters(part):
-    from bridge_fgo.engine.tensors import masters
-
-    return masters(part)

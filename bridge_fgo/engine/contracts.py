@@ -38,6 +38,7 @@ MCORE_MUON = "megatron.core.optimizer.emerging_optimizers.TensorParallelMuon"
 MCORE_MUON_0_17 = "megatron.core.optimizer.muon.TensorParallelMuon"
 EO_MUON = "emerging_optimizers.orthogonalized_optimizers.muon.Muon"
 EO_LION = "emerging_optimizers.scalar_optimizers.lion.Lion"
+MUONS = (MCORE_MUON, MCORE_MUON_0_17, EO_MUON)
 
 
 def path_of(cls) -> str:
@@ -231,9 +232,7 @@ CONTRACTS: Dict[str, Contract] = {
     TORCH_ADAM: TorchAdam("torch Adam"),
     TE_FUSED_ADAM: TEFusedAdam(),
     APEX_FUSED_ADAM: ApexFusedAdam(),
-    MCORE_MUON: Emerging("Muon", _muon_states),
-    MCORE_MUON_0_17: Emerging("Muon", _muon_states),
-    EO_MUON: Emerging("Muon", _muon_states),
+    **{path: Emerging("Muon", _muon_states) for path in MUONS},
     EO_LION: Emerging("Lion", _lion_states),
 }
 
@@ -243,7 +242,7 @@ def of(inner) -> Optional[Contract]:
 
 
 def is_muon(inner) -> bool:
-    return class_path(inner) in (MCORE_MUON, MCORE_MUON_0_17, EO_MUON)
+    return class_path(inner) in MUONS
 
 
 def describe_class(cls) -> str:

@@ -79,24 +79,29 @@ def inner_tensors(t) -> List[object]:
 
 @dataclasses.dataclass(frozen=True)
 class Kind:
-    """Where one kind of part keeps, by param group, its fp32 masters of bf16/fp16 parameters
-    (`masters`), the model parameters they are masters of (`models`, same positions), and the fp32
-    parameters it steps in place (`fp32`: the model's; a DistributedOptimizer's shards of them too)."""
+    """Where one kind of part keeps, by param group: its fp32 masters of bf16/fp16 parameters, the model
+    parameters they are masters of (same positions), the model's fp32 parameters (stepped in place), and
+    a DistributedOptimizer's shards of the model's parameters (views of them)."""
 
     masters: str
     models: str
-    fp32: Tuple[str, ...]
-    shards: Tuple[str, ...] = ()  # a DistributedOptimizer's views of model parameters
+    model_fp32: str
+    shards: Tuple[str, ...] = ()  # (fp32 shards first: stepped in place like the fp32 parameters)
 
     @property
     def model_groups(self) -> Tuple[str, ...]:
         """The model's own parameters, bf16/fp16 and fp32."""
-        return (self.models, self.fp32[-1])
+        return (self.models, self.model_fp32)
+
+    @property
+    def fp32(self) -> Tuple[str, ...]:
+        """What is stepped in place: the fp32 parameters and their shards."""
+        return (*self.shards[:1], self.model_fp32)
 
 
-DISTRIBUTED = Kind("shard_fp32_from_float16_groups", "model_float16_groups", ("shard_fp32_groups", "model_fp32_groups"),
-                   ("shard_float16_groups",))
-FLOAT16 = Kind("fp32_from_float16_groups", "float16_groups", ("fp32_from_fp32_groups",))
+DISTRIBUTED = Kind("shard_fp32_from_float16_groups", "model_float16_groups", "model_fp32_groups",
+                   ("shard_fp32_groups", "shard_float16_groups"))
+FLOAT16 = Kind("fp32_from_float16_groups", "float16_groups", "fp32_from_fp32_groups")
 KINDS = (DISTRIBUTED, FLOAT16)
 
 
@@ -116,7 +121,7 @@ def excluded_storages(opt) -> Set[int]:
     """Storages that never move: model parameters, fp32 shards that alias them, param/grad buffers."""
     keys = set()
     kind = kind_of(opt)
-    for name in (kind.models, *kind.fp32, *kind.shards):
+    for name in (*kind.model_groups, *kind.shards):
         keys.update(storage_key(t) for t in flat(getattr(opt, name, None)))
     for buf in getattr(opt, "buffers", None) or ():
         for attr in ("param_data", "grad_data"):

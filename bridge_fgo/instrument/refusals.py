@@ -83,9 +83,10 @@ def problems(cfg, inner_optimizers: List[object], dist_optimizers: List[object],
         )
     elif inner_optimizers and _not_distributed(inner_optimizers):
         # (an empty chain is a rank without trainable parameters: nothing to move, nothing wrong)
-        others = ", ".join(sorted({type(o).__name__ for o in _not_distributed(inner_optimizers)}))
-        held = (f"no DistributedOptimizer (found {others})" if len(_not_distributed(inner_optimizers)) == len(
-            inner_optimizers) else f"{others} beside its DistributedOptimizer")
+        others = _not_distributed(inner_optimizers)
+        kinds = ", ".join(sorted({type(o).__name__ for o in others}))
+        held = (f"no DistributedOptimizer (found {kinds})" if len(others) == len(inner_optimizers)
+                else f"{kinds} beside its DistributedOptimizer")
         out.append(f"the optimizer holds {held}: set cfg.optimizer.use_distributed_optimizer=True and "
                    "cfg.ddp.use_distributed_optimizer=True")
     if name not in served:
