@@ -118,11 +118,16 @@ def test_the_target_table():
         ("save_checkpoint", "megatron.bridge.training.checkpointing", "save"),
         ("_build_model_and_main_param_groups", "megatron.core.optimizer.distrib_optimizer", "build"),
         ("__init__", "megatron.core.optimizer.optimizer", "build-whole"),
+        ("DistributedOptimizer.__init__", "megatron.core.optimizer.distrib_optimizer", "adopt"),
     ]
     assert targets.target("__init__").qualname == (
         "megatron.core.optimizer.optimizer.Float16OptimizerWithFloat16Params.__init__")
     assert targets.target("_build_model_and_main_param_groups").qualname == (
         "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer._build_model_and_main_param_groups")
+    # two classes' __init__: the key names the class, the attribute patched is __init__
+    adopt = targets.target("DistributedOptimizer.__init__")
+    assert adopt.attribute == "__init__" and adopt.qualname == (
+        "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer.__init__")
     assert [a.qualname for a in targets.ALIASES] == ["megatron.bridge.training.pretrain.train"]
     assert len({t.name for t in targets.TARGETS}) == len(targets.TARGETS)
     assert all(t.purpose for t in targets.TARGETS)

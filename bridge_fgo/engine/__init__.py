@@ -4,6 +4,7 @@
     tensors.py     which tensors move, and where each one is bound
     layout.py      the streamed step's plan: bundles, chunks, the window, what stays resident
     construction.py  Megatron-Core's fp32 masters made a batch at a time and moved to the host
+    adoption.py    those masters guarded until a session adopts them; back on the GPU otherwise
     copies.py      host <-> GPU copies ordered by events (deferred on CPU), the GPU window
     budget.py      gpu_budget_gib: what may stay on the GPU, judged after the first step
     update.py      the update of a subset: the inner step, group-level state, the master copy
@@ -38,6 +39,10 @@ class BuiltinAdapter:
         from .streamed import StreamedEngine
 
         self.chunk_mb = chunk_mb
+        if chunk_mb:  # masters made on the host for these optimizers are this session's to move
+            from . import adoption
+
+            adoption.adopted(dist_optimizers)
         budget = None if gpu_budget_gib is None else int(gpu_budget_gib * GIB)
         self.engine = (StreamedEngine(dist_optimizers, first_chunk_mb(chunk_mb) * MIB, budget, auto=chunk_mb == AUTO,
                                       norms_in_update=params_norm)

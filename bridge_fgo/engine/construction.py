@@ -20,29 +20,38 @@ tensor.
 from __future__ import annotations
 
 import weakref
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from ..errors import BridgeFGOError
 
-# id(master) -> a weak reference to it: masters created on the host by build_on_host(). Not a WeakSet:
-# it compares tensors with ==, which is elementwise.
-_staged: Dict[int, "weakref.ref"] = {}
+# id(master) -> (a weak reference to it, the device Megatron-Core made it on): masters created on the
+# host by build_on_host() and whole_on_host(). Not a WeakSet: it compares tensors with ==, elementwise.
+_staged: Dict[int, Tuple["weakref.ref", object]] = {}
 
 
-def _stage(t) -> None:
+def _stage(t, device) -> None:
     key = id(t)
-    _staged[key] = weakref.ref(t, lambda ref, key=key: _staged.get(key) is ref and _staged.pop(key, None))
+    ref = weakref.ref(t, lambda ref, key=key: _staged.get(key, (None,))[0] is ref and _staged.pop(key, None))
+    _staged[key] = (ref, device)
 
 
 def is_staged(t) -> bool:
     """A master this module created in host memory (not yet taken into a pinned buffer)."""
-    ref = _staged.get(id(t))
+    ref = _staged.get(id(t), (None,))[0]
     return ref is not None and ref() is t
 
 
 def unstage(t) -> None:
     if is_staged(t):
         del _staged[id(t)]
+
+
+def restore(t) -> None:
+    """A staged master back on the device Megatron-Core made it on (no session took it), unstaged."""
+    if is_staged(t):
+        device = _staged.pop(id(t))[1]
+        if t.device != device:
+            t.data = t.data.to(device)
 
 
 class Built:
@@ -75,15 +84,16 @@ def _batches(params, param_gbuf_map, gbuf_ranges, chunk_bytes: int) -> List[list
 def _to_host(masters, built: Built, batch_bytes: int) -> None:
     import torch
 
+    devices = [None if m is None else m.device for m in masters]
     for m in masters:
         if m is None or m.device.type != "cuda":
             continue  # precision-aware: the optimizer holds them; on CPU (tests) they already are host tensors
         host = torch.empty(m.shape, dtype=m.dtype, device="cpu")
         host.copy_(m)  # synchronous: the GPU copy is freed as soon as the last reference goes below
         m.data = host
-    for m in masters:
+    for m, device in zip(masters, devices):
         if m is not None:
-            _stage(m)
+            _stage(m, device)
             built.masters += 1
             built.bytes += m.numel() * m.element_size()
     built.batches += 1

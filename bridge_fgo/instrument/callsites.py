@@ -86,7 +86,7 @@ class CallSites:
         """The wrapt wrapper for a target, chosen by its role."""
         method = {targets.LOOP: self.train, targets.STEP: self.train_step,
                   targets.RELEASE_SITE: self.copy_helper, targets.BUILD: self.build_masters,
-                  targets.BUILD_WHOLE: self.build_whole_masters,
+                  targets.BUILD_WHOLE: self.build_whole_masters, targets.ADOPT: self.await_session,
                   targets.LOAD: self.load_checkpoint, targets.PARAMS_NORM: self.params_norm,
                   targets.QK_CLIP: self.clip_qk, targets.SAVE: self.save_checkpoint}[target.role]
         return functools.partial(method, target.name)
@@ -99,14 +99,23 @@ class CallSites:
         until a timeout: each rank decides and checks (its configuration, its host memory) without
         allocating anything, then all ranks share their verdicts (agree.py) and raise together, and
         only then does any rank pin."""
-        optimizer = argument(self.index[which], "optimizer", args, kwargs)
         state = argument(self.index[which], "global_state" if which != "load_checkpoint" else "state", args, kwargs)
+        if self.inert:  # nothing can act: the optimizer is not looked at, no collective runs
+            if which != "load_checkpoint":
+                decide.say_inert(getattr(state, "cfg", None), self.options)
+            return None
+        optimizer = argument(self.index[which], "optimizer", args, kwargs)
         cfg = getattr(state, "cfg", None)
         loading = None
         if which == "load_checkpoint":
             ckpt = getattr(cfg, "checkpoint", None)
             loading = bool(getattr(ckpt, "load_optim", True) and not getattr(ckpt, "finetune", False))
         return self._decide(optimizer, cfg, loading)
+
+    @functools.cached_property
+    def inert(self) -> bool:
+        """No optimizer can have a Session (decide.inert); asked at the first call, Megatron-Core loaded."""
+        return decide.inert(self.options)
 
     def _decide(self, optimizer, cfg, loads_optimizer: Optional[bool] = None) -> Optional[Session]:
         if optimizer is None:
@@ -243,11 +252,24 @@ class CallSites:
             return wrapped(*args, **kwargs)
         from ..engine import construction
 
+        from ..engine import adoption
+
         built = construction.Built()
         result = construction.whole_on_host(wrapped, args, kwargs, built)
         if built.masters:
             logger.info("%sfp32 masters made on the host: %d whole master(s), %d bytes, one at a time on the GPU (at "
                         "most %d bytes)", rank_prefix(), built.masters, built.bytes, built.largest_batch)
+        adoption.await_session(instance)
+        return result
+
+    def await_session(self, name, wrapped, instance, args, kwargs):
+        """A DistributedOptimizer built: its masters made on the host (build_masters) wait for a session, guarded
+        (engine/adoption.py), as whole masters do above."""
+        result = wrapped(*args, **kwargs)
+        if self.enabled and self.options.offload == "builtin" and self.options.chunk_mb:
+            from ..engine import adoption
+
+            adoption.await_session(instance)
         return result
 
     def load_checkpoint(self, name, wrapped, instance, args, kwargs):
@@ -268,9 +290,9 @@ class CallSites:
         """A checkpoint save: refused while the streamed step's states are torn (the model's weights too,
         so a save of the model only as well); an asynchronous one under the streamed step is watched, so
         that no writer reads the pinned host buffer once the save call has returned (saves.py)."""
-        if not self.enabled:
+        sessions = self.registry.sessions() if self.enabled else []
+        if not sessions:  # no optimizer of this process is offloaded: nothing to refuse or watch, no collective
             return wrapped(*args, **kwargs)
-        sessions = self.registry.sessions()
         for session in sessions:  # torn states: no save, of the optimizer or of the model only (its weights are torn)
             session.adapter.refuse_save()
         state = argument(self.index[name], "state", args, kwargs)

@@ -47,11 +47,34 @@ def double_offload(generation: Generation) -> str:
             "states. Set the config flag to False, or use offload=auto")
 
 
+def inert(options: Options) -> bool:
+    """Whether no optimizer can have a Session in this mode, whatever it is: offload=off, or auto where the
+    installed Megatron-Core has no offloader to call. The wrappers then call through without looking at
+    their arguments (say_inert() at train() and train_step() is all they do)."""
+    if options.offload == "off":
+        return True
+    if options.offload == "auto":
+        installed = generations.installed()
+        return installed is None or not installed.has_offloader
+    return False
+
+
+def say_inert(cfg, options: Options) -> None:
+    """The once-only line of an inert patch, from the run's config alone."""
+    if options.offload == "off":
+        once(("off",), logging.INFO, "%soffload=off: bridge_fgo is patched but moves nothing", rank_prefix())
+        return
+    generation = generations.installed() or generations.BUILTIN
+    if generation.requested(cfg):
+        _not_acting(options.strict, ("no-fgo",), generation.unavailable(versions.megatron_core_version() or "unknown"))
+
+
 def inner_optimizers(optimizer) -> List[object]:
     """The optimizers of a chain, in its order, nested chains walked (Muon's LayerWiseDistributedOptimizer
-    is a ChainedOptimizer inside the outer one)."""
+    is a ChainedOptimizer inside the outer one). A chain is a list or tuple, nothing else (a Mock's
+    attribute is not one)."""
     chain = getattr(optimizer, "chained_optimizers", None)
-    if chain is None:
+    if not isinstance(chain, (list, tuple)):
         return [optimizer]
     return [o for part in chain for o in inner_optimizers(part)]
 

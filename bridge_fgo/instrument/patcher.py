@@ -28,7 +28,8 @@ class _Patch:
         self.layout: Optional[targets.Layout] = None
         self.modules: Optional[Dict[str, object]] = None  # Bridge's target modules, once all are loaded
         self.callsites = None
-        self.wrappers: Dict[str, Tuple[object, _Target, object]] = {}  # target name -> (original, wrapper, holder)
+        # target name -> (original, wrapper, holder, the attribute bound there)
+        self.wrappers: Dict[str, Tuple[object, _Target, object, str]] = {}
         self.aliases: List[str] = []
 
 
@@ -81,17 +82,17 @@ def _apply(p: _Patch, modules) -> None:
         original = t.raw(modules[t.module])  # as stored: a classmethod stays one, wrapt binds it
         if isinstance(original, _Target):  # a stale wrapper from an earlier patch: wrap what it wraps
             original = original.__wrapped__
-        built[t.name] = (holder, original, _Target(original, cs.site(t)), t.owner is None)
+        built[t.name] = (holder, original, _Target(original, cs.site(t)), t.owner is None, t.attribute)
         cs.originals[t.name] = original
     # module-level targets only: `from module import name` elsewhere binds the same function
-    aliases = [(mod, key, name) for name, (holder, orig, _, at_module) in built.items() if at_module
+    aliases = [(mod, key, name) for name, (holder, orig, _, at_module, _) in built.items() if at_module
                for mod, key in targets.holders(orig) if mod is not holder]
-    for name, (holder, _, wrapper, _) in built.items():
-        setattr(holder, name, wrapper)
+    for holder, _, wrapper, _, attribute in built.values():
+        setattr(holder, attribute, wrapper)
     for mod, key, name in aliases:
         setattr(mod, key, built[name][2])
     p.callsites = cs
-    p.wrappers = {name: (orig, wrapper, holder) for name, (holder, orig, wrapper, _) in built.items()}
+    p.wrappers = {name: (orig, wrapper, holder, attribute) for name, (holder, orig, wrapper, _, attribute) in built.items()}
     p.aliases = sorted(f"{mod.__name__}.{key}" for mod, key, _ in aliases)
     p.outcome = outcome
     log.once(("patched",), logging.INFO,
@@ -162,9 +163,9 @@ def unpatch() -> rpt.Report:
             if p.callsites is not None:
                 p.callsites.close()
         finally:
-            for name, (original, wrapper, holder) in p.wrappers.items():
-                if vars(holder).get(name) is wrapper:  # a class attribute is bound in one place only
-                    setattr(holder, name, original)
+            for original, wrapper, holder, attribute in p.wrappers.values():
+                if vars(holder).get(attribute) is wrapper:  # a class attribute is bound in one place only
+                    setattr(holder, attribute, original)
                 # every binding of our wrapper, wherever it went (aliases bound after patching too)
                 for mod, key in list(targets.holders(wrapper)):
                     setattr(mod, key, original)

@@ -34,7 +34,9 @@ MUON = ("muon", "dist_muon")
 ADAM = ("adam",)
 
 
-def _not_adam(opt, name: str) -> str:
+def _not_adam(opt, name) -> str:
+    if not isinstance(name, str):
+        return ""  # (worded by its repr where it is refused)
     bare = name[len("dist_"):] if name.startswith("dist_") else name
     if bare in _EMERGING:
         layer_wise = name.startswith("dist_") or getattr(opt, "use_layer_wise_distributed_optimizer", False)

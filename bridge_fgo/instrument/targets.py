@@ -24,6 +24,7 @@ LOAD = "load"  # a checkpoint load: the states placed on the host before it, so 
 PARAMS_NORM = "params-norm"  # the parameter norm train() logs: host-bound masters read as their norms
 QK_CLIP = "qk-clip"  # clip_qk after optimizer.step(): served inside the streamed update
 SAVE = "save"  # a checkpoint save: an asynchronous one is watched for writers holding the host buffer
+ADOPT = "adopt"  # a DistributedOptimizer built: masters made on the host wait for a session, guarded
 # Where Bridge (or a fork) would call offload methods if it wired offload itself.
 WIRING_ROLES = (LOOP, STEP)
 
@@ -37,10 +38,15 @@ class Target:
     params: Tuple[str, ...] = ()  # parameters it must take (the wrappers read them by name)
     calls: Tuple[str, ...] = ()  # names its code must refer to: how the loop reaches the next site
     owner: Optional[str] = None  # a class of `module` holding the target (a method), or None: module level
+    attr: Optional[str] = None  # the attribute bound in the holder, where it is not `name` (two classes' __init__)
+
+    @property
+    def attribute(self) -> str:
+        return self.attr or self.name
 
     @property
     def qualname(self) -> str:
-        return ".".join(x for x in (self.module, self.owner, self.name) if x)
+        return ".".join(x for x in (self.module, self.owner, self.attribute) if x)
 
     def holder(self, module):
         """Where the target is bound: the module, or its class `owner` (None if missing)."""
@@ -49,14 +55,14 @@ class Target:
     def raw(self, module):
         """The object bound there as stored (a classmethod object for a classmethod), or None."""
         holder = self.holder(module)
-        return vars(holder).get(self.name) if holder is not None else None
+        return vars(holder).get(self.attribute) if holder is not None else None
 
     def func(self, module):
         """The target as callers reach it (a method bound to its class), or None."""
         holder = self.holder(module)
         if holder is None:
             return None
-        return getattr(holder, self.name, None) if self.owner else vars(holder).get(self.name)
+        return getattr(holder, self.attribute, None) if self.owner else vars(holder).get(self.attribute)
 
 
 TRAIN_MODULE = "megatron.bridge.training.train"
@@ -90,6 +96,10 @@ TARGETS: Tuple[Target, ...] = (
            "Megatron-Core's construction of whole fp32 masters (Muon's): each moved to the host as soon as it is made",
            params=("optimizer", "config", "grad_scaler", "init_state_fn"), calls=("copy_tensor_model_parallel_attributes",),
            owner="Float16OptimizerWithFloat16Params"),
+    Target("DistributedOptimizer.__init__", DIST_OPTIMIZER_MODULE, ADOPT,
+           "Megatron-Core's DistributedOptimizer built: masters made on the host go back to the GPU before anything "
+           "reads them unless a session adopts them first", params=("optimizer", "config"),
+           calls=("_build_model_and_main_param_groups",), owner="DistributedOptimizer", attr="__init__"),
 )
 MODULES: Tuple[str, ...] = tuple(dict.fromkeys(t.module for t in TARGETS))
 
