@@ -82,6 +82,7 @@ def run_all(args):
         cmd += ["--recompute"] if args.recompute else []
         cmd += ["--te-spec"] if args.te_spec else []
         cmd += ["--log-params-norm"] if args.log_params_norm else []
+        cmd += ["--qk-clip", str(args.qk_clip)] if args.qk_clip is not None else []
         cmd += ["--fp16"] if args.fp16 else []
         cmd += ["--bypass-te-adam-check"] if args.bypass_te_adam_check else []
         cmd += ["--profile-iter", str(args.profile_iter)] if args.profile_iter else []
@@ -160,6 +161,9 @@ def parser():
     r.add_argument("--te-spec", action="store_true", help="Transformer Engine's layer spec (needs TE installed)")
     r.add_argument("--log-params-norm", action="store_true",
                    help="Bridge's log_params_norm: the parameter norm after every step, recorded (params_norms)")
+    r.add_argument("--qk-clip", type=float, metavar="THRESHOLD",
+                   help="MuonClip: cfg.model.qk_clip=True with this qk_clip_threshold (needs --te-spec: Megatron-Core "
+                        "records the max attention logits in Transformer Engine's attention)")
     r.add_argument("--act-offload", action="store_true",
                    help="Megatron-Core's fine-grained activation offloading (needs --te-spec: Bridge requires TE)")
     r.add_argument("--act-offload-modules", default="core_attn,attn_proj,qkv_linear",
@@ -209,6 +213,7 @@ def parser():
     a.add_argument("--recompute", action="store_true")
     a.add_argument("--te-spec", action="store_true", help="every run with Transformer Engine's layer spec")
     a.add_argument("--log-params-norm", action="store_true", help="every run logs the parameter norm (compared)")
+    a.add_argument("--qk-clip", type=float, metavar="THRESHOLD", help="every run with qk_clip at this threshold")
     a.add_argument("--fp16", action="store_true")
     a.add_argument("--bandwidth", action="store_true", help="also measure pinned host<->device bandwidth")
     a.add_argument("--keep-existing", action="store_true",

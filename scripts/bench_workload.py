@@ -140,6 +140,15 @@ def bypass_te_adam_check():
     m.OptimizerStateOffloader.__init__ = init
 
 
+def qk_clip(args) -> dict:
+    """--qk-clip THRESHOLD: MuonClip (Megatron-Core's clip_qk after each step, TE's attention records the logits)."""
+    if getattr(args, "qk_clip", None) is None:
+        return {}
+    if not args.te_spec:
+        sys.exit("--qk-clip needs --te-spec: Megatron-Core records the max attention logits in TE's attention")
+    return dict(qk_clip=True, qk_clip_threshold=args.qk_clip)
+
+
 def mixed_precision(args):
     """Bridge's mixed-precision recipe: bf16 or fp16, or with --fp8 an FP8 one with FP8 parameters."""
     if not getattr(args, "fp8", None):
@@ -236,7 +245,7 @@ def build(args):
         virtual_pipeline_model_parallel_size=args.vpp, expert_model_parallel_size=args.ep,
         # deterministic kernels (MoE's token unpermute adds with atomics otherwise); Bridge then wants
         # NCCL_ALGO set and turns on torch.use_deterministic_algorithms
-        deterministic_mode=args.deterministic, **off, **recompute, **moe)
+        deterministic_mode=args.deterministic, **off, **recompute, **moe, **qk_clip(args))
     overlap = dp > 1  # gradient reduce-scatter and param all-gather overlap only exist with DP > 1
     cfg = C.ConfigContainer(
         model=model,
