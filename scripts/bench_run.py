@@ -185,6 +185,16 @@ def run(args):
             return value
 
         T.calc_params_l2_norm = recorded_norm
+    logits = []
+    if getattr(args, "qk_clip", None) is not None:  # what train_step's clip_qk returns: the max attention logit
+        logged_clip = T.clip_qk
+
+        def recorded_clip(*a, **k):
+            value = logged_clip(*a, **k)
+            logits.append(None if value is None else float(value))
+            return value
+
+        T.clip_qk = recorded_clip
     if not os.path.exists(os.path.join(os.path.dirname(mcd.__file__), "Makefile")):
         from megatron.core.datasets import helpers_cpp  # noqa: F401  the wheel ships it prebuilt
 
@@ -251,6 +261,8 @@ def run(args):
         "host_peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB,
         "losses": [r["loss"] for r in recs],
         "params_norms": norms or None,
+        # with --qk-clip: each step's max attention logit before clipping (above the threshold: the step clipped)
+        "max_attention_logits": logits or None, "qk_clip_threshold": getattr(args, "qk_clip", None),
         "skipped_iters": [r["iter"] for r in recs if r["skipped"]],
         "final_params_sha256": h,
         "fp8": getattr(args, "fp8", None),
