@@ -6,16 +6,20 @@ The streamed step takes every Muon part's fp32 masters and momenta (and the scal
 Adam or Lion) through the window chunk by chunk, whole matrices; the one window moves them all for
 forward-backward and brings them back for the step. Either way the run is bit-identical to the one
 without offload, saved and resumed too, and the masters are made on the host under the streamed step.
-What the streamed step has not checked beside Muon is refused before the first step, naming chunk_mb=0;
+MuonClip (qk_clip beside Muon) and log_params_norm are served inside the streamed passes, over real
+SelfAttention layers (support/attention.py) whose clips really fire. What the streamed step has not
+checked beside Muon is refused before the first step, naming chunk_mb=0;
 Megatron-Core's own offloaders refuse Muon by name.
 
 One rank here, in this process; two data-parallel ranks (each its own matrices under dist_muon's
 LayerWiseDistributedOptimizer) in spawned processes.
 """
+import functools
 import logging
 import os
 import re
 import types
+from unittest import mock
 
 import pytest
 import torch
@@ -24,7 +28,7 @@ import bridge_fgo
 from bridge_fgo.engine.tensors import padded
 from bridge_fgo.errors import BridgeFGOConfigError
 from bridge_fgo.instrument import generations, refusals
-from support import harness, muon
+from support import attention, harness, muon
 
 needs_muon = pytest.mark.skipif(not muon.have_emerging_optimizers(),
                                 reason="emerging-optimizers is not installed (Megatron-Core builds Muon from it; "
@@ -156,6 +160,129 @@ def test_the_host_buffer_is_sized_before_the_first_step_for_the_states_muon_make
     assert out["session"]["pinned_bytes"] == out["padded_bytes"]
 
 
+# -- qk_clip (MuonClip) and the parameter norm, inside the streamed passes ------------------------------------
+
+def _window(engine):
+    """The storages of the engine's window slots (their data pointers)."""
+    return {s.tensor.untyped_storage().data_ptr() for s in engine.transfers.window.slots if s.tensor is not None}
+
+
+def _clipping_rig(run, qk_clip=True):
+    """Bridge's train_step over `run`'s attention layers (support/attention.py; muon.Run over
+    attention.megatron_module), their max logits over the threshold in some layers at each step
+    (test_normqk.fires), with log_params_norm."""
+    from test_normqk import fires
+
+    logits = attention.logits(fires)
+
+    def forward(model):
+        logits(model)
+        run.grads()
+
+    cfg = harness.config_container(optimizer_cfg=run.config, mxfp8_copy=False,
+                                   logger=types.SimpleNamespace(log_params_norm=True))
+    cfg.model.qk_clip = qk_clip
+    rig = harness.Rig(cfg=cfg, forward=forward)
+    rig.model = [attention.Chunk(rig.model_config, rig.events, _attentions(run))]
+    rig.optimizer = run.optimizer
+    return rig
+
+
+def _attentions(run):
+    return [layer.self_attention for layer in run.model.module.module.decoder.layers]
+
+
+def _fired(out) -> bool:
+    """Every layer's clip scaled some heads at some step (its last eta < 1)."""
+    return all(eta is not None and bool((eta < 1).any()) for eta in out["etas"])
+
+
+def _clipped_steps(rig, run):
+    """STEPS steps: train_step's results, the parameter norm Bridge's calc_params_l2_norm gives after each
+    (patched, each master's taken in the update: none brought back for it, each read as its norm; the
+    model's other parameters, whose masters another rank holds, as they are), and each layer's last eta."""
+    from bridge_fgo.engine.tensors import masters
+    from test_normqk import calc, fills, norm_inputs
+
+    out = {"results": [], "norms": []}
+    held = [m for part in run.parts() for m in masters(part)]
+    for _ in range(STEPS):
+        out["results"] += harness.run_steps(rig, steps=1)
+        with fills() as filled, norm_inputs() as seen:
+            out["norms"].append(calc(rig.model))
+        if bridge_fgo.is_patched():
+            read = [t for ts in seen for t in ts]
+            assert not filled and sum(t.numel() == 1 for t in read) == len(held) > 0
+    out["etas"] = [getattr(a, "qk_clip_balancing_eta", None) for a in _attentions(run)]
+    return out
+
+
+def _clipped(store_dir, name, scalar, offload, qk_clip=True, chunk_mb=1):
+    """_clipped_steps with Muon on one rank; with them, for each clip_qk() (patched) what it read as its
+    linear_qkv weight (its master in the window, or the model's weight) and whether that had a master too,
+    and which masters and states were on the GPU outside the window and the host buffer."""
+    from megatron.core.transformer.attention import SelfAttention
+    from test_resume_dp import one_rank
+    from test_streamed import engine_of
+
+    with one_rank(store_dir):
+        run = muon.Run(name, scalar, model=attention.megatron_module)
+        rig = _clipping_rig(run, qk_clip)
+        if offload:
+            bridge_fgo.patch(offload="builtin", chunk_mb=chunk_mb)
+        clips, real = [], SelfAttention.clip_qk
+        weights = {id(a): a.linear_qkv.weight.untyped_storage().data_ptr() for a in _attentions(run)}
+
+        @functools.wraps(real)  # (the engine reads which weights it clips from the code: the real one's)
+        def clip_qk(self):
+            if offload:
+                engine, w = engine_of()[1], self.linear_qkv.weight
+                window, host = _window(engine), engine.buffer.tensor.untyped_storage().data_ptr()
+                ptr = w.untyped_storage().data_ptr()
+                clips.append(("master in the window" if ptr in window else "weight" if ptr == weights[id(self)]
+                              else "elsewhere", hasattr(w, "main_param"),
+                              [n for n, t in run.states() if t.untyped_storage().nbytes()
+                               and t.untyped_storage().data_ptr() not in window | {host}]))
+            return real(self)
+
+        try:
+            with mock.patch.object(SelfAttention, "clip_qk", clip_qk):
+                out = _clipped_steps(rig, run)
+            bridge_fgo.synchronize()
+            out.update(clips=clips, snapshot=run.snapshot(), on_gpu=on_gpu(run))
+            if offload:
+                out["chunks"] = len(engine_of()[1].chunks)
+        finally:
+            bridge_fgo.unpatch()
+    return out
+
+
+@needs_muon
+@pytest.mark.parametrize("case", CASES[::2], ids=IDS[::2])
+def test_qk_clip_and_the_parameter_norm_beside_muon_are_served_inside_the_passes(tmp_path, case):
+    """MuonClip (qk_clip with Muon, the Kimi-K2 way) and log_params_norm under the streamed step, several 1 MB
+    chunks: each layer's master clipped in the pass over it (nothing else of Muon's on the GPU then), its weight
+    after the step, and the run bit-identical to the one without offload: losses, the max logit, the norms,
+    parameters, masters, states."""
+    name, scalar, _ = case
+    runs = {}
+    for key, offload, qk_clip in (("unclipped", False, False), ("base", False, True), ("streamed", True, True)):
+        (tmp_path / key).mkdir()
+        runs[key] = _clipped(tmp_path / key, name, scalar, offload, qk_clip)
+    base, streamed = runs["base"], runs["streamed"]
+    # the clip really happens: some heads' eta < 1, and the query/key masters differ from the run without it
+    assert _fired(base)
+    qkv = [k for k in base["snapshot"] if "master" in k and base["snapshot"][k].shape == (512, 256)]
+    assert qkv and all(not torch.equal(base["snapshot"][k], runs["unclipped"]["snapshot"][k]) for k in qkv)
+    assert streamed["results"] == base["results"] and streamed["norms"] == base["norms"]
+    _same(base["snapshot"], streamed["snapshot"])
+    assert streamed["chunks"] >= 3
+    # each layer's master clipped in the pass over it (nothing else of Muon's on the GPU then), its weight after
+    # the step, where Megatron-Core clips it; between steps nothing of Muon's on the GPU
+    pass_then_step = [("master in the window", False, [])] * 2 + [("weight", False, [])] * 2
+    assert streamed["clips"] == pass_then_step * STEPS and streamed["on_gpu"] == []
+
+
 def _refused(tmp_path, chunk_mb, options=None, **sections):
     """Bridge's real train_step under the patch with Muon and these config sections set: the refusal."""
     from test_resume_dp import one_rank
@@ -183,11 +310,9 @@ def _refused(tmp_path, chunk_mb, options=None, **sections):
 
 @needs_muon
 @pytest.mark.parametrize("sections, options, words", [
-    (dict(model={"qk_clip": True}), None, "cfg.model.qk_clip=True with Muon"),
-    (dict(logger={"log_params_norm": True}), None, "cfg.logger.log_params_norm=True with Muon"),
     (dict(model={"tensor_model_parallel_size": 2}), {"gpu_budget_gib": 1.0},
      "gpu_budget_gib with Muon and cfg.model.tensor_model_parallel_size > 1"),
-], ids=["qk_clip", "log_params_norm", "budget-tp2"])
+], ids=["budget-tp2"])
 def test_the_streamed_step_refuses_what_it_has_not_checked_beside_muon(tmp_path, sections, options, words):
     msg, events = _refused(tmp_path, 1, options, **sections)
     assert words in msg and "chunk_mb=0" in msg, msg
@@ -213,7 +338,9 @@ def test_megatron_cores_own_offloaders_refuse_muon_and_the_builtin_engine_names_
 
 # -- two data-parallel ranks: each its own matrices (dist_muon) ---------------------------------------
 
-def _rank(rank, world, port, out_dir, offload, chunk_mb=0):
+def _rank(rank, world, port, out_dir, offload, chunk_mb=0, clipping=False):
+    """`clipping`: _clipped_steps over attention layers (the layer-wise optimizer gives each rank whole matrices
+    of the same numel)."""
     from support import te_free
 
     te_free.install()
@@ -223,18 +350,21 @@ def _rank(rank, world, port, out_dir, offload, chunk_mb=0):
     with gloo_group(rank, world, port), dp.gpu_on_cpu():
         dp.initialize()
         try:
-            run = muon.Run("dist_muon", shapes=muon.EVEN)
-            rig = harness.Rig(cfg=harness.config_container(optimizer_cfg=run.config, mxfp8_copy=False),
-                              forward=lambda model: run.grads())
-            rig.optimizer = run.optimizer
+            if clipping:
+                run = muon.Run("dist_muon", model=attention.megatron_module)
+                rig = _clipping_rig(run)
+            else:
+                run = muon.Run("dist_muon", shapes=muon.EVEN)
+                rig = harness.Rig(cfg=harness.config_container(optimizer_cfg=run.config, mxfp8_copy=False),
+                                  forward=lambda model: run.grads())
+                rig.optimizer = run.optimizer
             if offload:
                 bridge_fgo.patch(offload="builtin", chunk_mb=chunk_mb)
-            results = harness.run_steps(rig, steps=STEPS)
+            out = _clipped_steps(rig, run) if clipping else {"results": harness.run_steps(rig, steps=STEPS)}
             bridge_fgo.synchronize()
             session = bridge_fgo.status().sessions if offload else []
             bridge_fgo.unpatch()
-            out = {"results": results, "snapshot": run.snapshot(), "sessions": session,
-                   "owned": run.owned()}
+            out.update(snapshot=run.snapshot(), sessions=session, owned=run.owned())
         finally:
             dp.destroy()
     torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -242,16 +372,15 @@ def _rank(rank, world, port, out_dir, offload, chunk_mb=0):
         f.write("{}")
 
 
-@needs_muon
-@pytest.mark.parametrize("chunk_mb", [0, 1], ids=["one-window", "streamed"])
-def test_two_data_parallel_ranks_each_move_their_own_matrices_bit_identically(tmp_path, chunk_mb):
+def _two_ranks(tmp_path, chunk_mb, clipping=False):
+    """Each rank's record, without offload (False) and with it (True)."""
     from test_agree import run_ranks_with
 
     got = {}
     for offload in (False, True):
         d = tmp_path / str(offload)
         d.mkdir()
-        run_ranks_with(_rank, d, offload, chunk_mb, world=2)
+        run_ranks_with(_rank, d, offload, chunk_mb, clipping, world=2)
         got[offload] = [torch.load(d / f"rank{r}.pt", weights_only=False) for r in range(2)]
     for base, off in zip(got[False], got[True]):
         assert off["results"] == base["results"]
@@ -260,7 +389,27 @@ def test_two_data_parallel_ranks_each_move_their_own_matrices_bit_identically(tm
         assert s["calls"]["offload"] == STEPS and s["chunk_mb"] == chunk_mb
     # the layer-wise optimizer splits the matrices between the ranks: each moves its own
     owned = [set(r["owned"]) for r in got[True]]
-    assert owned[0] and owned[1] and not owned[0] & owned[1] and owned[0] | owned[1] == set(muon.EVEN)
+    assert owned[0] and owned[1] and not owned[0] & owned[1]
+    return got, owned
+
+
+@needs_muon
+@pytest.mark.parametrize("chunk_mb", [0, 1], ids=["one-window", "streamed"])
+def test_two_data_parallel_ranks_each_move_their_own_matrices_bit_identically(tmp_path, chunk_mb):
+    _, owned = _two_ranks(tmp_path, chunk_mb)
+    assert owned[0] | owned[1] == set(muon.EVEN)
+
+
+@needs_muon
+def test_two_data_parallel_ranks_clip_and_take_the_norm_bit_identically(tmp_path):
+    """qk_clip and log_params_norm under the streamed step over two ranks of dist_muon, each the owner of one
+    layer's query/key/value matrix: each clips its own master in its pass, and both weights after the step, as
+    the layer-wise optimizer's all-gather leaves them, as without offload (a weight clipped in the pass would
+    reach the other rank clipped, and be clipped there again)."""
+    got, owned = _two_ranks(tmp_path, 1, clipping=True)
+    assert all(sum(".linear_qkv.weight" in n for n in o) == 1 for o in owned)
+    for base, off in zip(got[False], got[True]):
+        assert _fired(base) and off["norms"] == base["norms"]
 
 
 def test_muon_is_read_from_the_optimizers_where_megatron_core_overwrote_the_name():

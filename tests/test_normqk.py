@@ -235,14 +235,19 @@ def run(r, results):
 
 @contextlib.contextmanager
 def clip_places(cls):
-    """For each attention's clip_qk: whether its linear_qkv master was in the update's window."""
+    """For each attention's clip_qk, what it read as linear_qkv's weight: "whole" (the weight with its master,
+    both scaled, as Megatron-Core clips without offload), "pass" (the master in the update's window, standing
+    in for the weight), "weight" (the weight alone: its master was clipped in a pass)."""
     places, real = [], cls.clip_qk
 
     def spy(self):
+        w = self.linear_qkv.weight
         slots = engine_of()[1].transfers.window.slots if bridge_fgo.is_patched() else []
-        ptr = self.linear_qkv.weight.main_param.data_ptr() if self.linear_qkv.weight.main_param is not None else 0
-        places.append(any(s.tensor is not None and s.tensor.data_ptr() <= ptr < s.tensor.data_ptr() + s.nbytes
-                          for s in slots))
+        ptr = w.data_ptr()
+        in_window = any(s.tensor is not None and s.tensor.data_ptr() <= ptr < s.tensor.data_ptr() + s.nbytes
+                        for s in slots)
+        places.append("whole" if hasattr(w, "main_param") else "pass" if in_window
+                      else "weight" if w.dtype == torch.bfloat16 else "a master outside the window")
         return real(self)
 
     with mock.patch.object(cls, "clip_qk", spy):
@@ -267,7 +272,7 @@ def test_qk_clip_in_the_update_is_bit_identical(kind, scenario):
     base.reruns = s.get("reruns", 1)
     with clip_places(cls) as places:
         want = run(base, s["results"])
-    assert not any(places)
+    assert set(places) == {"whole"}
     bridge_fgo.patch(offload="builtin", chunk_mb=s["chunk_mb"], gpu_budget_gib=s.get("gpu_budget_gib"))
     r = qk_rig(kind, cls)
     r.reruns = base.reruns
@@ -281,13 +286,16 @@ def test_qk_clip_in_the_update_is_bit_identical(kind, scenario):
     for a, b in zip(base.model[0].attentions(), r.model[0].attentions()):
         assert torch.equal(a.linear_qkv.weight, b.linear_qkv.weight)
     _, engine = engine_of()
-    assert len(places) == sum(len(s["results"]) for _ in range(2))  # every layer, once per step
+    # every layer once per step: whole, or its master in its pass and its weight after the step
+    assert places.count("whole") + places.count("pass") == 2 * len(s["results"])
+    assert places.count("pass") == places.count("weight")
+    each = ["pass", "pass", "weight", "weight"]
     if scenario in ("steps", "one-chunk", "rerun"):
-        assert all(places)  # each in its pass, its master in the window
-    elif scenario == "budget":  # the layer whose master stays on the GPU after the update
-        assert engine.resident_bytes and not all(places) and any(places)
+        assert places == each * len(s["results"])
+    elif scenario == "budget":  # the layer whose master stays on the GPU after the update: whole, in place
+        assert engine.resident_bytes and "whole" in places and "pass" in places
     else:  # the skipped step's layers, after it, their masters brought to the GPU and back
-        assert places[2:4] == [False, False] and all(places[:2] + places[4:])
+        assert places == each + ["whole", "whole"] + each
 
 
 @pytest.mark.parametrize("kind", ["torch-foreach-default", "te-precision-aware-bf16"])

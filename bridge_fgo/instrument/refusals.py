@@ -203,22 +203,16 @@ def quantized_params(cfg, fix: str) -> List[str]:
 
 
 def muon_streamed(cfg, inner_optimizers, options, fix: str) -> List[str]:
-    """What the streamed step does not serve beside Muon: what reads or orders its whole matrices outside
-    the passes as no run has checked yet (qk_clip, MuonClip's; the parameter norm), and a budget with
-    tensor parallelism (each rank would choose which matrices stay resident, and so the order in which
-    they step, by its own memory: Newton-Schulz may gather a matrix across the tensor-parallel ranks)."""
+    """What the streamed step does not serve beside Muon: a budget with tensor parallelism (each rank would
+    choose which matrices stay resident, and so the order in which they step, by its own memory:
+    Newton-Schulz may gather a matrix across the tensor-parallel ranks). (qk_clip, MuonClip's, and the
+    parameter norm are served inside the passes, as beside Adam: engine/streamed/qkclip.py, norms.py.)"""
     from ..engine import contracts
 
     if not any(contracts.is_muon(o) for o in inner_optimizers):
         return []
-    model, log = getattr(cfg, "model", None), getattr(cfg, "logger", None)
+    model = getattr(cfg, "model", None)
     out = []
-    if getattr(model, "qk_clip", False):
-        out.append(f"cfg.model.qk_clip=True with Muon: the streamed step has not been checked clipping Muon's whole "
-                   f"matrices inside its passes; set it to False{fix}")
-    if getattr(log, "log_params_norm", False):
-        out.append(f"cfg.logger.log_params_norm=True with Muon: the streamed step has not been checked presenting "
-                   f"Muon's masters to the norm; set it to False{fix}")
     if getattr(options, "gpu_budget_gib", None) is not None and (getattr(model, "tensor_model_parallel_size", 1) or 1) > 1:
         out.append(f"gpu_budget_gib with Muon and cfg.model.tensor_model_parallel_size > 1: each rank would keep "
                    f"other matrices resident, and step them in another order than its tensor-parallel peers; unset "

@@ -63,32 +63,52 @@ class Chunk(torch.nn.Module):
         return [layer.self_attention for layer in self.module.module.decoder.layers]
 
 
-def model(layers: int = 2, attention=None, seed: int = 0):
-    """A harness.Rig `model` factory: `layers` attentions (Megatron-Core's SelfAttention, or `attention`),
-    their parameters drawn from `seed`."""
+def attentions(layers: int = 2, attention=None, seed: int = 0):
+    """(their TransformerConfig, `layers` attentions: Megatron-Core's SelfAttention, or `attention`), their
+    parameters drawn from `seed`."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import build_module
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    def make(model_config, events):
-        config = TransformerConfig(num_layers=layers, hidden_size=HIDDEN, num_attention_heads=HEADS,
-                                   num_query_groups=GROUPS, qk_clip=True, qk_clip_threshold=THRESHOLD,
-                                   qk_clip_alpha=0.5, use_cpu_initialization=True, bf16=True,
-                                   params_dtype=torch.bfloat16)
-        spec = get_gpt_layer_local_spec().submodules.self_attention
-        if attention is not None:
-            spec = dataclasses.replace(spec, module=attention)
-        built = [build_module(spec, config=config, layer_number=i + 1) for i in range(layers)]
+    config = TransformerConfig(num_layers=layers, hidden_size=HIDDEN, num_attention_heads=HEADS,
+                               num_query_groups=GROUPS, qk_clip=True, qk_clip_threshold=THRESHOLD,
+                               qk_clip_alpha=0.5, use_cpu_initialization=True, bf16=True,
+                               params_dtype=torch.bfloat16)
+    spec = get_gpt_layer_local_spec().submodules.self_attention
+    if attention is not None:
+        spec = dataclasses.replace(spec, module=attention)
+    built = [build_module(spec, config=config, layer_number=i + 1) for i in range(layers)]
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
         for attn in built:
             attn.core_attention.current_max_attn_logits = None  # as TE's attention starts (qk_clip set)
-        chunk = Chunk(model_config, events, built)
-        g = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for p in chunk.parameters():
+            for p in attn.parameters():
                 p.copy_(torch.randn(p.shape, generator=g) * 0.05)
-        return chunk
+    return config, built
+
+
+def model(layers: int = 2, attention=None, seed: int = 0):
+    """A harness.Rig `model` factory: a Chunk of attentions(layers, attention, seed)."""
+    def make(model_config, events):
+        return Chunk(model_config, events, attentions(layers, attention, seed)[1])
 
     return make
+
+
+def megatron_module(seed: int = 0, layers: int = 2):
+    """(its TransformerConfig, a MegatronModule of attentions(layers) for Megatron-Core's
+    DistributedDataParallel, on the path clip_qk reads below the DDP: `.module.decoder.layers`)."""
+    from megatron.core.transformer.module import MegatronModule
+
+    config, built = attentions(layers, seed=seed)
+
+    class Model(MegatronModule):
+        def __init__(self):
+            super().__init__(config=config)
+            self.module = _Holder(decoder=_Holder(layers=torch.nn.ModuleList(_Holder(self_attention=a)
+                                                                             for a in built)))
+
+    return config, Model()
 
 
 def logits(pattern):

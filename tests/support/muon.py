@@ -33,13 +33,14 @@ class Run(dp.Run):
     gradients, saves and loads (torch_dist, as Bridge's save_checkpoint and load_checkpoint build them)."""
 
     def __init__(self, name: str = "dist_muon", scalar: str = "adam", distributed: bool = False, seed: int = 0,
-                 shapes=dp.SHAPES):
+                 shapes=dp.SHAPES, model=None):
+        """`model(seed)`: (its TransformerConfig, the module) in place of support/dp.py's of `shapes`."""
         from megatron.bridge.training.config import OptimizerConfig, SchedulerConfig
         from megatron.bridge.training.optim import setup_optimizer
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import layer_wise_optimizer
 
-        config, module = dp.model(seed, shapes)
+        config, module = model(seed) if model is not None else dp.model(seed, shapes)
         module.cuda()  # where Megatron makes its parameters (the CPU playing the GPU: support/dp.py's gpu_on_cpu)
         # Bridge's model setup tags them where Megatron-Core routes buffers by it (0.19)
         tag = getattr(layer_wise_optimizer, "tag_params_for_buffer_routing", None)

@@ -6,7 +6,7 @@ updates and reach the GPU a bounded window at a time, during the update itself.
     update.py     the update while armed: the inner step over each chunk, torn states on failure
     readers.py    what reads the states between updates: guards, torn refusals, loads into host views
     norms.py      the parameter norm Bridge logs: each master's norm taken in its pass
-    qkclip.py     qk_clip: deferred at gradient finalization, each layer clipped in its masters' pass
+    qkclip.py     qk_clip: deferred at gradient finalization, masters clipped in their pass, weights after
     head.py       the head: the first chunks' copies in started during the last backward
     engine.py     StreamedEngine: the call sites (prepare, offload, release, reload, settle, close)
 """

@@ -1,8 +1,9 @@
 """The parameter norm Bridge logs (cfg.logger.log_params_norm), served by the streamed step.
 
 Bridge's train() calls calc_params_l2_norm(model, model_config, ...) after each step. For every bf16/fp16
-parameter it reads `param.main_param`, the DistributedOptimizer's fp32 master shard, which the streamed
-step keeps bound to its host view between updates. Every master passes through the GPU window in every
+parameter it reads `param.main_param`, the DistributedOptimizer's fp32 master shard (Muon's
+Float16OptimizerWithFloat16Params: the whole master), which the streamed step keeps bound to its host
+view between updates. Every master passes through the GPU window in every
 update, so its L2 norm is taken there, right after the pass wrote it (torch.norm, as Megatron-Core's
 local multi_tensor_l2norm takes each tensor's), into one small GPU tensor. While calc_params_l2_norm
 runs, each such parameter's `main_param` is a 1-element GPU view holding its master's norm, so Bridge's

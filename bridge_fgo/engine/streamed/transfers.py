@@ -296,7 +296,9 @@ def _bind_prior(pair) -> None:
 
 def keep(part: Part, b: Bindings, e: Entry, view) -> None:
     """After an update (or a creation): a state the optimizer created as planned is copied into
-    `view`; one unlike the plan stays where the optimizer put it, with a warning."""
+    `view` and bound to it, so the one it made goes now, not at the pass's end (nothing whole beyond
+    the window while the chunk's masters are copied and clipped); one unlike the plan stays where the
+    optimizer put it, with a warning."""
     if e.dropped:
         return
     t = b.get(e)
@@ -304,6 +306,7 @@ def keep(part: Part, b: Bindings, e: Entry, view) -> None:
         return
     if tuple(t.shape) == e.shape and t.dtype == e.dtype and type(t).__name__ in ("Tensor", "Parameter"):
         view.copy_(t)
+        b.set(e, view)
         return
     e.dropped = True
     once(("unplanned", part.index, e.kind, e.key), logging.WARNING,

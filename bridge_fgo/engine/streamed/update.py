@@ -6,9 +6,9 @@ kept on the GPU (gpu_budget_gib) in place, then every chunk through a window slo
 the inner optimizer's own step() over its parameters (engine/update.py: every param group at its
 index, group-level values as before the step, written back once), then Megatron-Core's own
 master -> model copy narrowed to the chunk's masters, then the qk_clip of the layers whose masters are
-in the chunk (qkclip.py), the chunk's copy back to the host, and its masters' norms (norms.py); the
-host-to-device copies of the next chunks (of the chain, as many as the window has other slots) and the
-device-to-host copy of the one before overlap it. Both are per-parameter, so losses and parameters are
+in the chunk, over those masters (qkclip.py), the chunk's copy back to the host, and its masters' norms
+(norms.py); the host-to-device copies of the next chunks (of the chain, as many as the window has other
+slots) and the device-to-host copy of the one before overlap it. Both are per-parameter, so losses and parameters are
 bit-identical to one update over everything.
 
 A failure after a pass has begun writing leaves the states torn (part of them at the next step):
