@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import bridge_fgo
+from bridge_fgo.engine import firststep
 from bridge_fgo.engine.tensors import padded
 from bridge_fgo.errors import BridgeFGOConfigError
 from bridge_fgo.instrument import generations, refusals
@@ -185,9 +186,7 @@ def _refused(tmp_path, chunk_mb, options=None, **sections):
 @pytest.mark.parametrize("sections, options, words", [
     (dict(model={"qk_clip": True}), None, "cfg.model.qk_clip=True with Muon"),
     (dict(logger={"log_params_norm": True}), None, "cfg.logger.log_params_norm=True with Muon"),
-    (dict(model={"tensor_model_parallel_size": 2}), {"gpu_budget_gib": 1.0},
-     "gpu_budget_gib with Muon and cfg.model.tensor_model_parallel_size > 1"),
-], ids=["qk_clip", "log_params_norm", "budget-tp2"])
+], ids=["qk_clip", "log_params_norm"])
 def test_the_streamed_step_refuses_what_it_has_not_checked_beside_muon(tmp_path, sections, options, words):
     msg, events = _refused(tmp_path, 1, options, **sections)
     assert words in msg and "chunk_mb=0" in msg, msg
@@ -263,6 +262,81 @@ def test_two_data_parallel_ranks_each_move_their_own_matrices_bit_identically(tm
     assert owned[0] and owned[1] and not owned[0] & owned[1] and owned[0] | owned[1] == set(muon.EVEN)
 
 
+# -- a memory budget on two tensor-parallel ranks, Newton-Schulz gathering each matrix over them ----------------
+
+# d the largest matrix: the budget keeps it first where it fits, out of its place in the order
+TP_SHAPES = {"a": (64,), "b": (8, 8), "c": (64,), "d": (16, 8), "e": (8, 8), "f": (8, 8)}
+TP_ROOM = (1100, 600)  # bytes under the budget each rank's own memory leaves: d's states fit, or b's only
+
+
+def _tp_rank(rank, world, port, out_dir):
+    """Muon's steps without offload, then under the streamed step with a budget, each rank measuring its own
+    memory (TP_ROOM): the order Newton-Schulz saw the matrices in, what stayed resident, the states."""
+    from support import te_free
+
+    te_free.install()
+    from megatron.core.optimizer import emerging_optimizers
+    from support import dp
+    from test_agree import gloo_group
+    from test_streamed import measured
+
+    seen = []
+    orthogonalize = emerging_optimizers.TensorParallelMuon.orthogonalize
+
+    def recorded(self, p, grad, **kwargs):
+        seen.append(tuple(p.shape))  # (each rank's shard: d's is twice the others')
+        return orthogonalize(self, p, grad, **kwargs)
+
+    emerging_optimizers.TensorParallelMuon.orthogonalize = recorded
+    out = {}
+    with gloo_group(rank, world, port), dp.gpu_on_cpu():
+        dp.initialize(tp=world)
+        try:
+            for offload in (False, True):
+                run, engine = muon.Run(shapes=TP_SHAPES, tp=True), None
+                if offload:
+                    engine = _engine(run, True, chunk=4096, budget=2**30)
+                    peak = 2**30 - firststep.margin(2**30) - TP_ROOM[rank]
+                    engine.probe = measured(before=0, backward=peak, base=1024, step=peak)
+                    engine.prepare()
+                del seen[:]
+                for _ in range(STEPS):
+                    _step(run, engine)
+                out[offload] = {"order": list(seen), "snapshot": run.snapshot(),
+                                "resident": engine.resident_bytes if engine else 0}
+                if engine is not None:
+                    engine.close()
+        finally:
+            dp.destroy()
+    torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        f.write("{}")
+
+
+@needs_muon
+def test_tensor_parallel_ranks_keeping_other_matrices_resident_step_them_in_one_order(tmp_path):
+    """gpu_budget_gib: each rank keeps resident what its own memory allows, so tensor-parallel peers keep other
+    matrices (here d on rank 0, b on rank 1). Their Newton-Schulz gathers each matrix over the peers inside
+    step(): every rank steps the matrices in the optimizer's order, whatever stays resident, and the run is
+    bit-identical to the one without offload (stepped out of order, peers gather different matrices: gloo
+    aborts on the sizes, same-shaped matrices would be mixed silently)."""
+    from test_agree import run_ranks_with
+
+    run_ranks_with(_tp_rank, tmp_path, world=2)
+    got = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    assert [r[True]["resident"] for r in got] == [1024, 512]  # d's master and momentum; b's
+    for r in got:
+        assert r[True]["order"] == r[False]["order"] == got[0][False]["order"]
+        _same(r[False]["snapshot"], r[True]["snapshot"])
+
+
+def test_a_budget_with_tensor_parallelism_is_served_beside_muon():
+    ns = types.SimpleNamespace
+    cfg = ns(model=ns(tensor_model_parallel_size=2, qk_clip=False), logger=ns(log_params_norm=False))
+    muon_class = type("TensorParallelMuon", (), {"__module__": "megatron.core.optimizer.emerging_optimizers"})
+    assert refusals.muon_streamed(cfg, [muon_class()], ns(gpu_budget_gib=1.0), "") == []
+
+
 def test_muon_is_read_from_the_optimizers_where_megatron_core_overwrote_the_name():
     """megatron-core 0.16 and 0.17 write muon_scalar_optimizer into cfg.optimizer.optimizer while they build
     Muon: the optimizers in hand say what was chosen."""
@@ -315,11 +389,11 @@ def _step(run, engine=None, seen=None):
         engine.synchronize()
 
 
-def _engine(run, streamed):
+def _engine(run, streamed, chunk=None, budget=None):
     from bridge_fgo.engine.onewindow import OneWindowEngine
     from bridge_fgo.engine.streamed import StreamedEngine
 
-    return StreamedEngine(run.parts(), CHUNK) if streamed else OneWindowEngine(run.parts())
+    return StreamedEngine(run.parts(), chunk or CHUNK, budget) if streamed else OneWindowEngine(run.parts())
 
 
 CHUNK = 300  # bytes: several chunks, a matrix's states alone in some
