@@ -453,11 +453,29 @@ def test_a_resume_steps_bit_identically(tmp_path, fmt, streamed):
     _same(resumed[False], resumed[True])
     assert seen == [[]] * (3 if streamed else 2)
     if streamed:
-        # torch_dist writes every master straight into the pinned buffer; Muon's momenta into what Megatron-Core's
-        # init_state_fn makes where the masters are (zeros like them: on the host), which the load then takes
-        # into the buffer (`seen` above)
-        masters = [inside for key, inside in into[True] if ".fp32_param." in key]
-        assert masters and all(masters), into
+        # torch_dist writes every master and every state straight into the pinned buffer: Megatron-Core's
+        # init_state_fn made the states (Muon's momenta, Adam's moments) one parameter at a time, each taken
+        # into its host view before the next
+        keys = {key.split(".")[-2] for key, _ in into[True]}
+        assert {"fp32_param", "momentum_buffer", "exp_avg", "exp_avg_sq"} <= keys, keys
+        assert all(inside for _, inside in into[True]), into
+
+
+@needs_muon
+def test_the_host_memory_check_counts_the_states_a_load_makes_beside_the_buffer(tmp_path, monkeypatch):
+    """Under the streamed step a load makes the states of Muon's parts one parameter at a time (pageable) and
+    takes each into the pinned buffer (the resume above): the check before anything is pinned counts the
+    largest parameter's. The one window loads onto the GPU."""
+    from bridge_fgo import hostmem
+
+    checked = []
+    real = hostmem.check_fits
+    monkeypatch.setattr(hostmem, "check_fits", lambda *a, **k: checked.append(k) or real(*a, **k))
+    for chunk_mb in (1, 0):
+        (tmp_path / str(chunk_mb)).mkdir()
+        _train(tmp_path / str(chunk_mb), "dist_muon", "adam", False, True, chunk_mb=chunk_mb)
+    # c (150,): Adam's two fp32 moments, 1200 bytes (e (10, 15): Muon's momentum, 600)
+    assert [k["load_per_rank"] for k in checked] == [1200, 0]
 
 
 @needs_muon

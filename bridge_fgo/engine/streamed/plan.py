@@ -226,6 +226,14 @@ class Plan:
                    for e in bd.entries if not e.dropped)
 
     @property
+    def made_on_load(self) -> int:
+        """Pageable host memory a checkpoint load takes beside the buffer: the states of the one parameter
+        at a time that Megatron-Core's init_state_fn makes (tensors.Kind.inits_on_load; readers.py), the
+        largest parameter's."""
+        return max((sum(e.nbytes for e in bd.entries if e.kind != MASTER) for part in self.parts
+                    if kind_of(part.opt).inits_on_load for bd in part.bundles), default=0)
+
+    @property
     def master_bytes(self) -> int:
         return sum(e.nbytes for part in self.parts for e in part.entries() if e.kind == MASTER)
 
