@@ -485,7 +485,8 @@ def test_the_host_memory_check_counts_the_snapshot(monkeypatch, tmp_path, caplog
     harness.run_steps(rig, steps=1)
     engine = engine_of(rig)
     ((pinned,), kw), = checked
-    assert pinned == engine.pinned_bytes > 0 and kw == {"snapshot_per_rank": pinned, "snapshot_in_shm": persistent}
+    assert pinned == engine.pinned_bytes > 0 and kw == {"snapshot_per_rank": pinned, "snapshot_in_shm": persistent,
+                                                       "load_per_rank": 0}
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("[rank 0] host memory:")]
     assert f"+ {hostmem.fmt_bytes(pinned)} per rank while an asynchronous checkpoint save is written" in line
     assert ("/dev/shm" in line) == persistent
@@ -496,7 +497,7 @@ def test_without_async_saves_nothing_more_is_counted(monkeypatch, tmp_path):
     monkeypatch.setattr(hostmem, "check_fits", lambda *a, **k: checked.append(k) or hostmem.check.check_fits(*a))
     bridge_fgo.patch(offload="builtin", chunk_mb=1)
     harness.run_steps(rig_for("te", tmp_path, None, async_save=False), steps=1)
-    assert checked == [{"snapshot_per_rank": 0, "snapshot_in_shm": False}]
+    assert checked == [{"snapshot_per_rank": 0, "snapshot_in_shm": False, "load_per_rank": 0}]
 
 
 def test_a_dev_shm_too_small_for_the_snapshots_is_refused_before_anything_is_pinned(monkeypatch, tmp_path):

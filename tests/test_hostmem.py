@@ -254,6 +254,19 @@ def test_an_asynchronous_saves_snapshot_counts_on_top_of_the_pinned_bytes(tmp_pa
     assert hostmem.check_fits(5 * GiB, ranks=10, root=str(tmp_path)).fits  # the same pinned bytes alone fit
 
 
+def test_the_states_a_load_makes_beside_the_buffer_count_on_top_of_the_pinned_bytes(tmp_path):
+    """Under the streamed step a checkpoint load makes a parameter's states (pageable) before they go into
+    the pinned buffer: one parameter's at a time, on every local rank at once."""
+    meminfo(tmp_path, 100 * GiB)  # reserve: 5 GiB
+    fit = hostmem.check_fits(9 * GiB, load_per_rank=1 * GiB, ranks=9, root=str(tmp_path))
+    assert (fit.fits, fit.needed, fit.load_per_rank) == (True, 90 * GiB, 1 * GiB)
+    assert "pinned per rank + 1.00 GiB (1073741824 bytes) per rank while a checkpoint load makes states" \
+        in fit.describe()
+    with pytest.raises(BridgeFGOConfigError, match="per rank that a checkpoint load makes beside it"):
+        hostmem.check_fits(9 * GiB, load_per_rank=1 * GiB, ranks=10, root=str(tmp_path))
+    assert hostmem.check_fits(9 * GiB, ranks=10, root=str(tmp_path)).fits  # the same pinned bytes alone fit
+
+
 @pytest.fixture
 def shm_free(monkeypatch):
     """/dev/shm with `free` bytes (statvfs faked), or unreadable (None)."""

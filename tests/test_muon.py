@@ -25,8 +25,8 @@ import pytest
 import torch
 
 import bridge_fgo
+from bridge_fgo.engine import firststep
 from bridge_fgo.engine.tensors import padded
-from bridge_fgo.errors import BridgeFGOConfigError
 from bridge_fgo.instrument import generations, refusals
 from support import attention, harness, muon
 
@@ -283,42 +283,6 @@ def test_qk_clip_and_the_parameter_norm_beside_muon_are_served_inside_the_passes
     assert streamed["clips"] == pass_then_step * STEPS and streamed["on_gpu"] == []
 
 
-def _refused(tmp_path, chunk_mb, options=None, **sections):
-    """Bridge's real train_step under the patch with Muon and these config sections set: the refusal."""
-    from test_resume_dp import one_rank
-
-    with one_rank(tmp_path):
-        run = muon.Run()
-        cfg = harness.config_container(optimizer_cfg=run.config, mxfp8_copy=False)
-        for section, fields in sections.items():
-            if getattr(cfg, section, None) is None:  # (the rig's config has no logger section: Bridge's has)
-                setattr(cfg, section, types.SimpleNamespace())
-            for key, value in fields.items():
-                setattr(getattr(cfg, section), key, value)
-        rig = harness.Rig(cfg=cfg, forward=lambda model: run.grads())
-        rig.optimizer = run.optimizer
-        before = run.snapshot()
-        bridge_fgo.patch(offload="builtin", chunk_mb=chunk_mb, **(options or {}))
-        try:
-            with pytest.raises(BridgeFGOConfigError) as err:
-                harness.run_steps(rig, steps=1)
-        finally:
-            bridge_fgo.unpatch()
-        _same(before, run.snapshot())
-        return str(err.value), rig.events
-
-
-@needs_muon
-@pytest.mark.parametrize("sections, options, words", [
-    (dict(model={"tensor_model_parallel_size": 2}), {"gpu_budget_gib": 1.0},
-     "gpu_budget_gib with Muon and cfg.model.tensor_model_parallel_size > 1"),
-], ids=["budget-tp2"])
-def test_the_streamed_step_refuses_what_it_has_not_checked_beside_muon(tmp_path, sections, options, words):
-    msg, events = _refused(tmp_path, 1, options, **sections)
-    assert words in msg and "chunk_mb=0" in msg, msg
-    assert "zero_grad_buffer" not in events  # Bridge's train_step never began
-
-
 def test_megatron_cores_own_offloaders_refuse_muon_and_the_builtin_engine_names_what_it_serves():
     ns = types.SimpleNamespace
     cfg = ns(optimizer=ns(optimizer="dist_muon", use_distributed_optimizer=False), ddp=None, dist=None, model=None)
@@ -412,6 +376,83 @@ def test_two_data_parallel_ranks_clip_and_take_the_norm_bit_identically(tmp_path
         assert _fired(base) and off["norms"] == base["norms"]
 
 
+# -- a memory budget on two tensor-parallel ranks, Newton-Schulz gathering each matrix over them ----------------
+
+# d the largest matrix: the budget keeps it first where it fits, out of its place in the order
+TP_SHAPES = {"a": (64,), "b": (8, 8), "c": (64,), "d": (16, 8), "e": (8, 8), "f": (8, 8)}
+TP_ROOM = (1100, 600)  # bytes under the budget each rank's own memory leaves: d's states fit, or b's only
+
+
+def _tp_rank(rank, world, port, out_dir):
+    """Muon's steps without offload, then under the streamed step with a budget, each rank measuring its own
+    memory (TP_ROOM): the order Newton-Schulz saw the matrices in, what stayed resident, the states."""
+    from support import te_free
+
+    te_free.install()
+    from megatron.core.optimizer import emerging_optimizers
+    from support import dp
+    from test_agree import gloo_group
+    from test_streamed import measured
+
+    seen = []
+    orthogonalize = emerging_optimizers.TensorParallelMuon.orthogonalize
+
+    def recorded(self, p, grad, **kwargs):
+        seen.append(tuple(p.shape))  # (each rank's shard: d's is twice the others')
+        return orthogonalize(self, p, grad, **kwargs)
+
+    emerging_optimizers.TensorParallelMuon.orthogonalize = recorded
+    out = {}
+    with gloo_group(rank, world, port), dp.gpu_on_cpu():
+        dp.initialize(tp=world)
+        try:
+            for offload in (False, True):
+                run, engine = muon.Run(shapes=TP_SHAPES, tp=True), None
+                if offload:
+                    engine = _engine(run, True, chunk=4096, budget=2**30)
+                    peak = 2**30 - firststep.margin(2**30) - TP_ROOM[rank]
+                    engine.probe = measured(before=0, backward=peak, base=1024, step=peak)
+                    engine.prepare()
+                del seen[:]
+                for _ in range(STEPS):
+                    _step(run, engine)
+                out[offload] = {"order": list(seen), "snapshot": run.snapshot(),
+                                "resident": engine.resident_bytes if engine else 0}
+                if engine is not None:
+                    engine.close()
+        finally:
+            dp.destroy()
+    torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        f.write("{}")
+
+
+@needs_muon
+def test_tensor_parallel_ranks_keeping_other_matrices_resident_step_them_in_one_order(tmp_path):
+    """gpu_budget_gib: each rank keeps resident what its own memory allows, so tensor-parallel peers keep other
+    matrices (here d on rank 0, b on rank 1). Their Newton-Schulz gathers each matrix over the peers inside
+    step(): every rank steps the matrices in the optimizer's order, whatever stays resident, and the run is
+    bit-identical to the one without offload (stepped out of order, peers gather different matrices: gloo
+    aborts on the sizes, same-shaped matrices would be mixed silently)."""
+    from test_agree import run_ranks_with
+
+    run_ranks_with(_tp_rank, tmp_path, world=2)
+    got = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    assert [r[True]["resident"] for r in got] == [1024, 512]  # d's master and momentum; b's
+    for r in got:
+        assert r[True]["order"] == r[False]["order"] == got[0][False]["order"]
+        _same(r[False]["snapshot"], r[True]["snapshot"])
+
+
+def test_the_streamed_step_refuses_nothing_beside_muon_that_it_serves_beside_adam():
+    """qk_clip and log_params_norm are served inside the passes, a budget with tensor parallelism in the
+    optimizer's order on every rank: refusals.streamed names none of them beside Muon."""
+    ns = types.SimpleNamespace
+    cfg = ns(model=ns(tensor_model_parallel_size=2, qk_clip=True), logger=ns(log_params_norm=True))
+    muon_class = type("TensorParallelMuon", (), {"__module__": "megatron.core.optimizer.emerging_optimizers"})
+    assert refusals.streamed(cfg, [muon_class()], ns(gpu_budget_gib=1.0)) == []
+
+
 def test_muon_is_read_from_the_optimizers_where_megatron_core_overwrote_the_name():
     """megatron-core 0.16 and 0.17 write muon_scalar_optimizer into cfg.optimizer.optimizer while they build
     Muon: the optimizers in hand say what was chosen."""
@@ -464,11 +505,11 @@ def _step(run, engine=None, seen=None):
         engine.synchronize()
 
 
-def _engine(run, streamed):
+def _engine(run, streamed, chunk=None, budget=None):
     from bridge_fgo.engine.onewindow import OneWindowEngine
     from bridge_fgo.engine.streamed import StreamedEngine
 
-    return StreamedEngine(run.parts(), CHUNK) if streamed else OneWindowEngine(run.parts())
+    return StreamedEngine(run.parts(), chunk or CHUNK, budget) if streamed else OneWindowEngine(run.parts())
 
 
 CHUNK = 300  # bytes: several chunks, a matrix's states alone in some
@@ -528,11 +569,29 @@ def test_a_resume_steps_bit_identically(tmp_path, fmt, streamed):
     _same(resumed[False], resumed[True])
     assert seen == [[]] * (3 if streamed else 2)
     if streamed:
-        # torch_dist writes every master straight into the pinned buffer; Muon's momenta into what Megatron-Core's
-        # init_state_fn makes where the masters are (zeros like them: on the host), which the load then takes
-        # into the buffer (`seen` above)
-        masters = [inside for key, inside in into[True] if ".fp32_param." in key]
-        assert masters and all(masters), into
+        # torch_dist writes every master and every state straight into the pinned buffer: Megatron-Core's
+        # init_state_fn made the states (Muon's momenta, Adam's moments) one parameter at a time, each taken
+        # into its host view before the next
+        keys = {key.split(".")[-2] for key, _ in into[True]}
+        assert {"fp32_param", "momentum_buffer", "exp_avg", "exp_avg_sq"} <= keys, keys
+        assert all(inside for _, inside in into[True]), into
+
+
+@needs_muon
+def test_the_host_memory_check_counts_the_states_a_load_makes_beside_the_buffer(tmp_path, monkeypatch):
+    """Under the streamed step a load makes the states of Muon's parts one parameter at a time (pageable) and
+    takes each into the pinned buffer (the resume above): the check before anything is pinned counts the
+    largest parameter's. The one window loads onto the GPU."""
+    from bridge_fgo import hostmem
+
+    checked = []
+    real = hostmem.check_fits
+    monkeypatch.setattr(hostmem, "check_fits", lambda *a, **k: checked.append(k) or real(*a, **k))
+    for chunk_mb in (1, 0):
+        (tmp_path / str(chunk_mb)).mkdir()
+        _train(tmp_path / str(chunk_mb), "dist_muon", "adam", False, True, chunk_mb=chunk_mb)
+    # c (150,): Adam's two fp32 moments, 1200 bytes (e (10, 15): Muon's momentum, 600)
+    assert [k["load_per_rank"] for k in checked] == [1200, 0]
 
 
 @needs_muon

@@ -34,6 +34,15 @@ def groups():
         yield
 
 
+@pytest.fixture(autouse=True, scope="module")
+def bridge_imported():
+    """Bridge's train module imported before any test holds an engine: importing it the first time keeps the
+    importer's frames for good (pulp's copt_api, imported on the way, stores the TypeError of a failed load with
+    its traceback), so a first import inside calc() would keep that test's engine and its pinned buffer alive, and
+    a later test of the same process that counts pinned bytes (test_async_save.py) would find them."""
+    import megatron.bridge.training.train  # noqa: F401
+
+
 class Params(torch.nn.Module):
     """A model chunk as calc_params_l2_norm reads it (its parameters) over the harness optimizer's bf16
     model params, which carry main_param as Megatron-Core sets it."""

@@ -62,10 +62,12 @@ class BuiltinAdapter:
     # -- before the first step: check on every rank, agree, then pin (callsites) -----------------
     def check(self) -> None:
         """Plan, and refuse (BridgeFGOConfigError) host memory this node does not have: the pinned buffer,
-        and with asynchronous saves of it their writer's copy (the buffer's bytes, while a save is written)."""
+        with asynchronous saves of it their writer's copy (the buffer's bytes, while a save is written), and
+        what a load makes beside it (the streamed step: one parameter's states at a time, pageable)."""
         pinned = self.engine.plan_bytes()
         self.fit = hostmem.check_fits(pinned, snapshot_per_rank=pinned if self.snapshot else 0,
-                                      snapshot_in_shm=self.snapshot == "shm")
+                                      snapshot_in_shm=self.snapshot == "shm",
+                                      load_per_rank=self.engine.made_on_load if self.chunk_mb else 0)
 
     def prepare(self) -> None:
         t0 = time.perf_counter()

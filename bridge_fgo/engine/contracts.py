@@ -64,6 +64,11 @@ class Contract:
     # What step() allocates beyond its states, per byte of a chunk's states (sizing.py): the fused
     # optimizers update in place
     step_scratch = 0.0
+    # step() may meet its peers in a collective per parameter (Muon's Newton-Schulz over the tensor- and
+    # expert-tensor-parallel groups, muon_tp_mode 'duplicated' or 'distributed'): the streamed step's passes
+    # then step the parameters in the optimizer's order on every rank, whatever each keeps resident under
+    # gpu_budget_gib by its own memory (plan.Part.passes)
+    in_order = False
 
     def states(self, inner, p, group) -> List[StateSpec]:
         raise NotImplementedError
@@ -202,9 +207,10 @@ class Emerging(Contract):
     # Muon: Newton-Schulz's temporaries, a few of the matrix's size, one matrix at a time
     step_scratch = 2.0
 
-    def __init__(self, name, states):
+    def __init__(self, name, states, in_order=False):
         self.name = name
         self._states = states  # (inner, p, group) -> [StateSpec]
+        self.in_order = in_order
 
     def states(self, inner, p, group):
         return self._states(inner, p, group)
@@ -232,7 +238,7 @@ CONTRACTS: Dict[str, Contract] = {
     TORCH_ADAM: TorchAdam("torch Adam"),
     TE_FUSED_ADAM: TEFusedAdam(),
     APEX_FUSED_ADAM: ApexFusedAdam(),
-    **{path: Emerging("Muon", _muon_states) for path in MUONS},
+    **{path: Emerging("Muon", _muon_states, in_order=True) for path in MUONS},
     EO_LION: Emerging("Lion", _lion_states),
 }
 

@@ -94,14 +94,17 @@ def place(bundles: Sequence[Bundle], start: int = 0) -> int:
 
 
 def chunks_of(bundles: Sequence[Bundle], chunk_bytes: int, first_index: int = 0,
-              kept: Collection[int] = ()) -> List[Chunk]:
+              kept: Collection[int] = (), in_order: bool = False) -> List[Chunk]:
     """Cut the streamed (non-resident) bundles of one DistributedOptimizer into chunks of at most
     chunk_bytes (a larger bundle alone), and pack each chunk's spans into the window. `kept`: ids of
-    bundles to count as resident too (a budget's candidates, before they move)."""
+    bundles to count as resident too (a budget's candidates, before they move). `in_order`: no chunk
+    spans a resident bundle (the parameters step in their order: contracts.Contract.in_order)."""
     chunks: List[Chunk] = []
     current: Optional[Chunk] = None
     for b in bundles:
         if b.resident or not b.entries or id(b) in kept:
+            if in_order:
+                current = None
             continue
         if current is None or (current.bundles and current.nbytes + b.nbytes > chunk_bytes):
             current = Chunk(first_index + len(chunks), b.part, [])

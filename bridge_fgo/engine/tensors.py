@@ -87,6 +87,9 @@ class Kind:
     models: str
     model_fp32: str
     shards: Tuple[str, ...] = ()  # (fp32 shards first: stepped in place like the fp32 parameters)
+    # its init_state_fn makes every state before a load builds what torch_dist fills (Megatron-Core 0.19.2:
+    # Float16OptimizerWithFloat16Params.state_dict and sharded_state_dict with is_loading)
+    inits_on_load: bool = False
 
     @property
     def model_groups(self) -> Tuple[str, ...]:
@@ -101,7 +104,7 @@ class Kind:
 
 DISTRIBUTED = Kind("shard_fp32_from_float16_groups", "model_float16_groups", "model_fp32_groups",
                    ("shard_fp32_groups", "shard_float16_groups"))
-FLOAT16 = Kind("fp32_from_float16_groups", "float16_groups", "fp32_from_fp32_groups")
+FLOAT16 = Kind("fp32_from_float16_groups", "float16_groups", "fp32_from_fp32_groups", inits_on_load=True)
 KINDS = (DISTRIBUTED, FLOAT16)
 
 

@@ -125,13 +125,20 @@ def step_subset(inner, state: GroupState, params_by_group: Dict[int, list]) -> N
     if _torch_hooked(step):
         step = step.__wrapped__
     groups = state.groups(params_by_group)
+    with narrowed(inner, groups):
+        step(inner)
+    state.record(groups)
+
+
+@contextlib.contextmanager
+def narrowed(inner, groups: List[dict]):
+    """The inner optimizer with these param groups in place of its own, for the body."""
     saved = inner.param_groups
     inner.param_groups = groups
     try:
-        step(inner)
+        yield
     finally:
         inner.param_groups = saved
-    state.record(groups)
 
 
 class Shadows:

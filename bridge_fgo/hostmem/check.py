@@ -32,6 +32,10 @@ FIXES = ("reduce the bytes each rank pins: more data-parallel ranks (the distrib
          "limit, e.g. memory.max, docker --memory, Slurm --mem, Kubernetes resources.limits.memory)")
 
 
+# What a checkpoint load makes beside the pinned buffer (engine/streamed/readers.py, Plan.made_on_load)
+LOAD = ("pageable: the largest parameter's states, made by Megatron-Core's init_state_fn one parameter at a time "
+        "and copied into the pinned buffer")
+
 # What to change when an asynchronous checkpoint save's snapshot does not fit in /dev/shm.
 SHM_FIXES = ("a larger /dev/shm (docker run --shm-size, a Kubernetes emptyDir volume with medium: Memory and a "
              "sizeLimit mounted at /dev/shm), or cfg.checkpoint.async_save=False, or the one-window engine "
@@ -44,7 +48,7 @@ class HostFit:
     bytes_per_rank: int
     local_ranks: int
     local_ranks_source: str
-    needed: int                    # (bytes_per_rank + snapshot_per_rank) x local_ranks
+    needed: int                    # (bytes_per_rank + snapshot_per_rank + load_per_rank) x local_ranks
     reserve: int                   # kept free on top (RESERVE_MIN_BYTES / RESERVE_FRACTION)
     available: Optional[int]       # None: nothing could be read, the check did not run
     source: Optional[str]          # "MemAvailable", "cgroup v1", "cgroup v2"
@@ -54,12 +58,16 @@ class HostFit:
     snapshot_per_rank: int = 0
     shm_available: Optional[int] = None  # /dev/shm's free bytes, when the snapshots pass through it
     shm_detail: Optional[str] = None
+    # what a checkpoint load makes beside the pinned buffer (pageable, while it loads)
+    load_per_rank: int = 0
 
     def describe(self) -> str:
         per_rank = f"{fmt_bytes(self.bytes_per_rank)} pinned per rank"
         if self.snapshot_per_rank:
             per_rank += (f" + {fmt_bytes(self.snapshot_per_rank)} per rank while an asynchronous checkpoint save "
                          "is written (its writer's copy of the host states)")
+        if self.load_per_rank:
+            per_rank += f" + {fmt_bytes(self.load_per_rank)} per rank while a checkpoint load makes states ({LOAD})"
         head = (f"host memory: {per_rank} x {self.local_ranks} local rank(s) ({self.local_ranks_source}) = "
                 f"{fmt_bytes(self.needed)}")
         if self.available is None:
@@ -81,26 +89,28 @@ def reserve_for(available_now: int) -> int:
 
 def check_fits(bytes_per_rank: int, *, snapshot_per_rank: int = 0, snapshot_in_shm: bool = False,
                env: Optional[Mapping[str, str]] = None, root: Optional[str] = None,
-               ranks: Optional[int] = None) -> HostFit:
+               ranks: Optional[int] = None, load_per_rank: int = 0) -> HostFit:
     """Refuse, before anything is pinned, host memory the node does not have.
 
     `bytes_per_rank` is everything this rank will pin (the sum over every optimizer in the chain);
     `snapshot_per_rank` what an asynchronous checkpoint save copies of the host states besides, while
     it is written (pageable), and `snapshot_in_shm` whether that copy passes through /dev/shm (Bridge's
-    persistent checkpoint worker receives it there), which must then hold every local rank's copy.
+    persistent checkpoint worker receives it there), which must then hold every local rank's copy;
+    `load_per_rank` what a checkpoint load makes beside the pinned buffer (pageable, while it loads;
+    counted with the snapshot though the two never meet: it is one parameter's states).
     Call it on every rank before any rank of the node pins: MemAvailable drops as ranks pin, so a
     rank checking after its neighbours pinned would count their bytes twice. `ranks` overrides the
     local rank count read from `env`. Raises BridgeFGOConfigError when (bytes_per_rank +
-    snapshot_per_rank) x local ranks + reserve exceeds what is available, or the snapshots exceed
-    /dev/shm's free space; returns the figures otherwise (fits=None, with one WARNING, when nothing
+    snapshot_per_rank + load_per_rank) x local ranks + reserve exceeds what is available, or the
+    snapshots exceed /dev/shm's free space; returns the figures otherwise (fits=None, with one WARNING, when nothing
     could be read). The verdict is this rank's own: bridge_fgo.agree makes it every rank's."""
-    if bytes_per_rank < 0 or snapshot_per_rank < 0:
-        raise ValueError(f"bytes_per_rank and snapshot_per_rank must be >= 0, got {bytes_per_rank}, "
-                         f"{snapshot_per_rank}")
+    if min(bytes_per_rank, snapshot_per_rank, load_per_rank) < 0:
+        raise ValueError(f"bytes_per_rank, snapshot_per_rank and load_per_rank must be >= 0, got {bytes_per_rank}, "
+                         f"{snapshot_per_rank}, {load_per_rank}")
     if ranks is not None and int(ranks) < 1:
         raise ValueError(f"ranks must be >= 1, got {ranks}")
     lr = local_ranks(env) if ranks is None else LocalRanks(int(ranks), f"{int(ranks)} (given by the caller)")
-    needed = (bytes_per_rank + snapshot_per_rank) * lr.count
+    needed = (bytes_per_rank + snapshot_per_rank + load_per_rank) * lr.count
     mem = available.host_memory(root)
     if mem is None:
         once("hostmem-unknown", logging.WARNING,
@@ -108,22 +118,24 @@ def check_fits(bytes_per_rank: int, *, snapshot_per_rank: int = 0, snapshot_in_s
              "%s per rank x %d local rank(s) = %s will be pinned without a check", rank_prefix(),
              under(root, "proc/meminfo"), fmt_bytes(bytes_per_rank), lr.count, fmt_bytes(bytes_per_rank * lr.count))
         return HostFit(bytes_per_rank, lr.count, lr.source, needed, 0, None, None, None, None, snapshot_per_rank,
-                       *_shm(snapshot_per_rank * lr.count, snapshot_in_shm, root))
+                       *_shm(snapshot_per_rank * lr.count, snapshot_in_shm, root), load_per_rank)
     reserve = reserve_for(mem.bytes)
     fits = needed == 0 or needed + reserve <= mem.bytes  # pinning nothing cannot hurt
     if not fits:
-        snapshot = (f" + {fmt_bytes(snapshot_per_rank)} per rank that an asynchronous checkpoint save copies of the "
-                    "host states while it is written (cfg.checkpoint.async_save=False saves that)"
-                    if snapshot_per_rank else "")
+        besides = (f" + {fmt_bytes(snapshot_per_rank)} per rank that an asynchronous checkpoint save copies of the "
+                   "host states while it is written (cfg.checkpoint.async_save=False saves that)"
+                   if snapshot_per_rank else "")
+        besides += (f" + {fmt_bytes(load_per_rank)} per rank that a checkpoint load makes beside it ({LOAD})"
+                    if load_per_rank else "")
         raise BridgeFGOConfigError(
             f"optimizer-state offload would pin more host memory than this node has: {fmt_bytes(bytes_per_rank)} "
-            f"per rank{snapshot} x {lr.count} local rank(s) ({lr.source}) = {fmt_bytes(needed)}, plus a safety "
+            f"per rank{besides} x {lr.count} local rank(s) ({lr.source}) = {fmt_bytes(needed)}, plus a safety "
             f"reserve of {fmt_bytes(reserve)} (max({RESERVE_MIN_BYTES // GiB} GiB, {RESERVE_FRACTION:.0%} of "
             f"available)) = {fmt_bytes(needed + reserve)}, but only {fmt_bytes(mem.bytes)} is available "
             f"({mem.source}: {mem.detail}). Pinned pages cannot be swapped or reclaimed, so this would end in the "
             f"OOM killer; refused before anything was pinned. Fix: {FIXES}.")
     return HostFit(bytes_per_rank, lr.count, lr.source, needed, reserve, mem.bytes, mem.source, mem.detail, fits,
-                   snapshot_per_rank, *_shm(snapshot_per_rank * lr.count, snapshot_in_shm, root))
+                   snapshot_per_rank, *_shm(snapshot_per_rank * lr.count, snapshot_in_shm, root), load_per_rank)
 
 
 def _shm(total: int, in_shm: bool, root: Optional[str]):

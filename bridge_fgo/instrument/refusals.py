@@ -58,6 +58,21 @@ def _not_distributed(inner_optimizers) -> list:
     return [o for o in inner_optimizers if not isinstance(o, DistributedOptimizer)]
 
 
+def _muon_not_moved(opt, inner_optimizers, dist_optimizers) -> List[str]:
+    """Muon's chain holding optimizers besides the parts the engine moves (decide.distributed_optimizers): in
+    fp32, Megatron-Core's FP32Optimizer, or the torch optimizers the layer-wise optimizer then leaves unwrapped."""
+    others = [o for o in inner_optimizers if not any(o is d for d in dist_optimizers)]
+    if not others:
+        return []
+    kinds = ", ".join(sorted({type(o).__name__ for o in others}))
+    if getattr(opt, "bf16", True):
+        return [f"the optimizer holds {kinds} beside Muon's parts, whose states bridge_fgo does not move; drop offload"]
+    return [f"cfg.optimizer.bf16=False with Muon: Megatron-Core then steps the model's fp32 parameters in place "
+            f"({kinds}: no fp32 masters beside them), a layout whose states bridge_fgo does not move (serving it "
+            "needs another kind of part in the engine, and its own saves and loads, none checked yet); train in bf16: "
+            "cfg.mixed_precision='bf16_mixed' (it sets cfg.optimizer.bf16 and cfg.model.bf16), or drop offload"]
+
+
 def _holds_muon(inner_optimizers) -> bool:
     from ..engine import contracts
 
@@ -77,7 +92,8 @@ def problems(cfg, inner_optimizers: List[object], dist_optimizers: List[object],
         # cfg.optimizer.optimizer while they build Muon: the optimizers say what was chosen
         name = "muon"
     if name in MUON and name in served:
-        pass  # Muon's own layout: every rank its matrices' states (whole, or layer-wise), moved as they are
+        # Muon's own layout: every rank its matrices' states (whole, or layer-wise), moved as they are
+        out += _muon_not_moved(opt, inner_optimizers, dist_optimizers)
     elif not getattr(opt, "use_distributed_optimizer", False):
         out.append(
             "cfg.optimizer.use_distributed_optimizer=False: set it (and cfg.ddp.use_distributed_optimizer) to "
@@ -202,24 +218,6 @@ def quantized_params(cfg, fix: str) -> List[str]:
     return out
 
 
-def muon_streamed(cfg, inner_optimizers, options, fix: str) -> List[str]:
-    """What the streamed step does not serve beside Muon: a budget with tensor parallelism (each rank would
-    choose which matrices stay resident, and so the order in which they step, by its own memory:
-    Newton-Schulz may gather a matrix across the tensor-parallel ranks). (qk_clip, MuonClip's, and the
-    parameter norm are served inside the passes, as beside Adam: engine/streamed/qkclip.py, norms.py.)"""
-    from ..engine import contracts
-
-    if not any(contracts.is_muon(o) for o in inner_optimizers):
-        return []
-    model = getattr(cfg, "model", None)
-    out = []
-    if getattr(options, "gpu_budget_gib", None) is not None and (getattr(model, "tensor_model_parallel_size", 1) or 1) > 1:
-        out.append(f"gpu_budget_gib with Muon and cfg.model.tensor_model_parallel_size > 1: each rank would keep "
-                   f"other matrices resident, and step them in another order than its tensor-parallel peers; unset "
-                   f"gpu_budget_gib{fix}")
-    return out
-
-
 def streamed(cfg, inner_optimizers, options=None) -> List[str]:
     """What the builtin engine's streamed step (chunk_mb > 0) cannot serve, each with its field and
     the fix; the one-window engine (chunk_mb=0) serves all of these."""
@@ -237,5 +235,7 @@ def streamed(cfg, inner_optimizers, options=None) -> List[str]:
     # stages them without offload, and its load copies into them (tests/test_resume_dp.py)
     out += checkpoint_format(cfg, fix)
     out += [f"{p}" for p in contracts.streamed_problems(inner_optimizers)]
-    out += muon_streamed(cfg, inner_optimizers, options, fix)
+    # Muon is served as Adam is: qk_clip (MuonClip's) and the parameter norm inside the passes
+    # (engine/streamed/qkclip.py, norms.py), a budget in the optimizer's order on every rank, whatever each
+    # keeps resident, tensor parallelism too (contracts.Contract.in_order)
     return out

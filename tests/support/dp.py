@@ -197,12 +197,13 @@ def megatron_core_with(kind: str):
         yield
 
 
-def initialize():
-    """Megatron-Core's process groups over the default (gloo) group: data parallelism = world size."""
+def initialize(tp: int = 1):
+    """Megatron-Core's process groups over the default (gloo) group: `tp` tensor-parallel ranks, data
+    parallelism the rest of the world."""
     from megatron.core import parallel_state
 
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel()
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
 
 
 def destroy():
@@ -211,20 +212,20 @@ def destroy():
     parallel_state.destroy_model_parallel()
 
 
-def model(seed: int = 0, shapes=SHAPES):
-    """(its TransformerConfig, a MegatronModule of bf16 parameters `shapes`, seeded)."""
+def model(seed: int = 0, shapes=SHAPES, dtype=torch.bfloat16):
+    """(its TransformerConfig, a MegatronModule of parameters `shapes` in `dtype`, seeded)."""
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.module import MegatronModule
 
-    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, bf16=True,
-                               params_dtype=torch.bfloat16)
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, bf16=dtype == torch.bfloat16,
+                               fp16=dtype == torch.float16, params_dtype=dtype)
 
     class Model(MegatronModule):
         def __init__(self):
             super().__init__(config=config)
             g = torch.Generator().manual_seed(seed)
             for name, shape in shapes.items():
-                self.register_parameter(name, torch.nn.Parameter(torch.randn(shape, generator=g).bfloat16()))
+                self.register_parameter(name, torch.nn.Parameter(torch.randn(shape, generator=g).to(dtype)))
 
     return config, Model()
 

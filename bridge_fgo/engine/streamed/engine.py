@@ -69,6 +69,7 @@ class StreamedEngine:
     bytes = property(lambda self: self.plan.bytes)
     resident_bytes = property(lambda self: self.plan.resident_bytes)
     master_bytes = property(lambda self: self.plan.master_bytes)
+    made_on_load = property(lambda self: self.plan.made_on_load)
     tensors = property(lambda self: self.plan.tensors)
     copies = property(lambda self: self.transfers.copies)
     buffer = property(lambda self: self.transfers.buffer)

@@ -64,29 +64,50 @@ class Part:
     def entries(self) -> List[Entry]:
         return [e for b in self.bundles for e in b.entries]
 
+    @property
+    def in_order(self) -> bool:
+        """Whether its parameters step in the optimizer's order (contracts.Contract.in_order)."""
+        return self.contract is not None and self.contract.in_order
+
+    def passes(self, limit: int) -> list:
+        """The update's passes over this part, in the order they step: pieces of the parameters updated
+        in place (resident_pieces) and chunks. The pieces first, overlapping the first chunks' copies; in
+        the optimizer's order of the parameters where the contract says so (neither spans the other)."""
+        pieces = self._pieces(limit)
+        if not self.in_order:
+            return [piece for piece, _, _ in pieces] + list(self.chunks)
+        at = {id(b): i for i, b in enumerate(self.bundles)}
+        runs = [(first, piece) for piece, _, first in pieces] + [(at[id(c.bundles[0])], c) for c in self.chunks]
+        return [run for _, run in sorted(runs, key=lambda r: r[0])]
+
     def resident_pieces(self, limit: int) -> List[Dict[int, list]]:
         """The parameters updated in place (kept on the GPU by a budget, or with nothing to move) by
         param group, in pieces of at most `limit` bytes of states (a larger parameter alone), each one
         inner step(): one step over all of them would allocate the optimizer's scratch for all at once
         (torch's foreach AdamW: a temporary as large as their masters; 1.59 GiB over a 14.16 GiB budget
         on an H100, 2026-11-26), where the window was sized for a chunk's."""
-        return [piece for piece, _ in self._pieces(limit)]
+        return [piece for piece, _, _ in self._pieces(limit)]
 
     def largest_piece(self, limit: int, kept: Collection[int] = ()) -> int:
         """Bytes of states of the largest of resident_pieces(limit), were the bundles whose ids are in
         `kept` resident too."""
-        return max((n for _, n in self._pieces(limit, kept)), default=0)
+        return max((n for _, n, _ in self._pieces(limit, kept)), default=0)
 
-    def _pieces(self, limit: int, kept: Collection[int] = ()) -> List[Tuple[Dict[int, list], int]]:
-        pieces: List[Tuple[Dict[int, list], int]] = []
-        for b in self.bundles:
+    def _pieces(self, limit: int, kept: Collection[int] = ()) -> List[Tuple[Dict[int, list], int, int]]:
+        """(piece, its bytes, the position of its first bundle); in order, a streamed bundle ends a piece."""
+        pieces: List[Tuple[Dict[int, list], int, int]] = []
+        after_streamed = False
+        for i, b in enumerate(self.bundles):
             if b.entries and not b.resident and id(b) not in kept:
+                after_streamed = True
                 continue
-            if not pieces or (pieces[-1][1] and pieces[-1][1] + b.nbytes > limit):
-                pieces.append(({}, 0))
-            piece, size = pieces[-1]
+            if (not pieces or (after_streamed and self.in_order)
+                    or (pieces[-1][1] and pieces[-1][1] + b.nbytes > limit)):
+                pieces.append(({}, 0, i))
+            after_streamed = False
+            piece, size, first = pieces[-1]
             piece.setdefault(b.group, []).append(b.param)
-            pieces[-1] = (piece, size + b.nbytes)
+            pieces[-1] = (piece, size + b.nbytes, first)
         return pieces
 
     def shape(self, param) -> tuple:
@@ -139,7 +160,8 @@ class Plan:
         """Chunks of what is not resident (again after a budget keeps bundles on the GPU)."""
         self.chunks = []
         for part in self.parts:
-            part.chunks = layout.chunks_of(part.bundles, self.chunk_bytes, first_index=len(self.chunks))
+            part.chunks = layout.chunks_of(part.bundles, self.chunk_bytes, first_index=len(self.chunks),
+                                           in_order=part.in_order)
             self.chunks += part.chunks
 
     def window_if(self, kept: Collection[int] = ()) -> Tuple[int, int]:
@@ -150,7 +172,7 @@ class Plan:
         if kept:
             chunks = []
             for part in self.parts:
-                chunks += layout.chunks_of(part.bundles, self.chunk_bytes, len(chunks), kept)
+                chunks += layout.chunks_of(part.bundles, self.chunk_bytes, len(chunks), kept, part.in_order)
         largest = max([c.nbytes for c in chunks] + [p.largest_piece(self.chunk_bytes, kept) for p in self.parts] + [0])
         return sum(layout.window_sizes(chunks, self.slots)), largest
 
@@ -202,6 +224,14 @@ class Plan:
         """What a memory budget keeps on the GPU instead."""
         return sum(e.nbytes for part in self.parts for bd in part.bundles if bd.resident
                    for e in bd.entries if not e.dropped)
+
+    @property
+    def made_on_load(self) -> int:
+        """Pageable host memory a checkpoint load takes beside the buffer: the states of the one parameter
+        at a time that Megatron-Core's init_state_fn makes (tensors.Kind.inits_on_load; readers.py), the
+        largest parameter's."""
+        return max((sum(e.nbytes for e in bd.entries if e.kind != MASTER) for part in self.parts
+                    if kind_of(part.opt).inits_on_load for bd in part.bundles), default=0)
 
     @property
     def master_bytes(self) -> int:

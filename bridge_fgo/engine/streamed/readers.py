@@ -22,7 +22,7 @@ from ...errors import BridgeFGOError
 from ...log import logger, rank_prefix
 from .. import update as subset
 from ..uninterrupted import each
-from ..tensors import MASTER
+from ..tensors import MASTER, kind_of, same
 from .plan import Plan
 from .transfers import Transfers
 
@@ -167,8 +167,11 @@ class Readers:
         hold these hooks, the hooks hold these readers and the optimizers weakly."""
         me = weakref.ref(self)
         for part in self.plan.parts:
-            for owner, name, method in ((part.inner, "load_state_dict", "_inner_load"),
-                                        (part.opt, "reload_model_params", "_reload_model_params")):
+            hooks = [(part.inner, "load_state_dict", "_inner_load"),
+                     (part.opt, "reload_model_params", "_reload_model_params")]
+            if kind_of(part.opt).inits_on_load and callable(part.opt.__dict__.get("init_state_fn")):
+                hooks.append((part.opt, "init_state_fn", "_init_states"))
+            for owner, name, method in hooks:
                 prior = owner.__dict__.get(name)
                 self._loaders.set(owner, name, functools.partial(_hook, me, method, name, weakref.ref(owner), prior))
 
@@ -193,6 +196,28 @@ class Readers:
             raise
         self._take_loaded()
         return result
+
+    def _init_states(self, opt_ref, prior, inner, *args, **kwargs):  # through _hook
+        """Megatron-Core's init_state_fn, which a Float16OptimizerWithFloat16Params calls before a load builds
+        what torch_dist fills (zeros like each parameter, where its master is: the host, pageable), run over
+        one parameter at a time, whose states go into their host views before the next is made: torch_dist
+        then writes into the pinned buffer, and the load takes one parameter's states beside it
+        (Plan.made_on_load, counted by the host-memory check), not a second copy of them all."""
+        part = self.plan.part_of(opt_ref())
+        if inner is not part.inner:
+            return prior(inner, *args, **kwargs)
+        b = part.bindings
+        for bundle in part.bundles:
+            if inner.state.get(bundle.param):
+                continue  # made already: init_state_fn leaves it
+            groups = [dict(g, params=[bundle.param] if gi == bundle.group else [])
+                      for gi, g in enumerate(inner.param_groups)]
+            with subset.narrowed(inner, groups):
+                prior(inner, *args, **kwargs)
+            for e in () if bundle.resident else bundle.entries:  # (resident: made on the GPU, where they stay)
+                t = b.get(e)
+                if not e.dropped and t is not None and not same(t, e.host):
+                    self.transfers.take(part, b, e, t)
 
     def _take_loaded(self) -> None:
         """The states a load bound, copied into their host views. Never freed here: they are the load's

@@ -22,7 +22,7 @@ from typing import Dict, List, Optional
 
 from ...errors import BridgeFGOError
 from ...log import logger, once, rank_prefix
-from .. import quantized, update as subset
+from .. import layout, quantized, update as subset
 from ..tensors import MASTER, Bindings
 from .norms import Norms
 from .plan import Part, Plan
@@ -132,40 +132,44 @@ class Update:
     def _passes(self, part: Part, inner) -> None:
         state = subset.GroupState(inner)
         chain = f" of optimizer {part.index} of the chain" if len(self.plan.parts) > 1 else ""
-        # in place, in chunk-sized pieces (their scratch is a chunk's); overlaps the copies in flight
-        for piece in part.resident_pieces(self.plan.chunk_bytes):
+        for run in part.passes(self.plan.chunk_bytes):
+            if isinstance(run, layout.Chunk):
+                self._chunk(part, inner, state, run, chain)
+                continue
+            # in place, in chunk-sized pieces (their scratch is a chunk's); overlaps the copies in flight
             self.where = f"in the pass over the parameters kept on the GPU (gpu_budget_gib){chain}"
-            self._begin(part, piece)
-            subset.step_subset(inner, state, piece)
-            self._copy_masters(part, [p for ps in piece.values() for p in ps])
+            self._begin(part, run)
+            subset.step_subset(inner, state, run)
+            self._copy_masters(part, [p for ps in run.values() for p in ps])
+        self.where = f"while writing back the param groups' values after the last chunk{chain}"
+        state.commit()
+
+    def _chunk(self, part: Part, inner, state, chunk, chain: str) -> None:
         b = part.bindings
         t = self.transfers
         slots = len(t.window.slots)
-        for chunk in part.chunks:
-            self.where = f"in chunk {chunk.index + 1} of {len(self.plan.chunks)}{chain}"
-            t.h2d(chunk.index)
-            slot = t.window.slots[chunk.index % slots]
-            t.copies.compute_wait(slot.h2d_done)
-            views = t.views(chunk, slot)
-            for e, view in views:
-                if not e.dropped and b.get(e) is not None:
-                    b.set(e, view)
-            by_group = chunk.params_by_group()
-            self._begin(part, by_group)
-            subset.step_subset(inner, state, by_group)
-            for e, view in views:
-                keep(part, b, e, view)
-            self._copy_masters(part, [bd.param for bd in chunk.bundles])
-            self.qk.in_pass(chunk.index)
-            t.d2h(chunk, slot)
-            self.norms.passed(views)  # on the compute stream: the slot is refilled only after it
-            for e, view in views:
-                if not e.dropped and b.get(e) is not None:
-                    b.set(e, e.host)
-            t.h2d(chunk.index + slots)  # into this slot once the copy out has left it (the chain's next too)
-            self._check_unplanned(part, b, chunk)
-        self.where = f"while writing back the param groups' values after the last chunk{chain}"
-        state.commit()
+        self.where = f"in chunk {chunk.index + 1} of {len(self.plan.chunks)}{chain}"
+        t.h2d(chunk.index)
+        slot = t.window.slots[chunk.index % slots]
+        t.copies.compute_wait(slot.h2d_done)
+        views = t.views(chunk, slot)
+        for e, view in views:
+            if not e.dropped and b.get(e) is not None:
+                b.set(e, view)
+        by_group = chunk.params_by_group()
+        self._begin(part, by_group)
+        subset.step_subset(inner, state, by_group)
+        for e, view in views:
+            keep(part, b, e, view)
+        self._copy_masters(part, [bd.param for bd in chunk.bundles])
+        self.qk.in_pass(chunk.index)
+        t.d2h(chunk, slot)
+        self.norms.passed(views)  # on the compute stream: the slot is refilled only after it
+        for e, view in views:
+            if not e.dropped and b.get(e) is not None:
+                b.set(e, e.host)
+        t.h2d(chunk.index + slots)  # into this slot once the copy out has left it (the chain's next too)
+        self._check_unplanned(part, b, chunk)
 
     def _copy_masters(self, part: Part, params) -> None:
         masters = [p for p in params if id(p) in part.model_of]

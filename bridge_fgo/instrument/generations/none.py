@@ -22,7 +22,7 @@ class _None(Generation):
     who = "bridge_fgo's builtin engine"
     flag = "cfg.optimizer.offload_optimizer_states"
     has_offloader = False
-    # Muon's states too (refusals.muon_streamed: what the streamed step does not serve beside it)
+    # Muon's states too (under the streamed step as well: refusals.streamed refuses nothing of Muon's)
     optimizers = refusals.ADAM + refusals.MUON
 
     def detect(self, cls) -> bool:
