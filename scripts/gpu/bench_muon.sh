@@ -20,6 +20,8 @@ BUDGET=${BUDGET:-8.5}        # GiB per rank for the MoE run: between the offload
 R=/tmp/muon; CK=/tmp/muonck; mkdir -p $R $CK
 source "$(dirname "${BASH_SOURCE[0]}")/deadline_runs.sh"
 export NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1
+# deterministic_mode with TE's DotProductAttention: Megatron-Core asks for this explicitly
+export NVTE_ALLOW_NONDETERMINISTIC_ALGO=0
 T="scripts/bench_offload.py run --optimizer te --te-spec --deterministic --iters $ITERS"
 M="$T --muon --qk-clip $CLIP --log-params-norm"
 one() { local name=$1 gpu=$2 mode=$3; shift 3
