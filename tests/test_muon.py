@@ -389,19 +389,22 @@ def _tp_rank(rank, world, port, out_dir):
     from support import te_free
 
     te_free.install()
-    from megatron.core.optimizer import emerging_optimizers
+    try:
+        from megatron.core.optimizer import emerging_optimizers as mcore_muon
+    except ImportError:  # megatron-core 0.17 keeps TensorParallelMuon in optimizer/muon.py
+        from megatron.core.optimizer import muon as mcore_muon
     from support import dp
     from test_agree import gloo_group
     from test_streamed import measured
 
     seen = []
-    orthogonalize = emerging_optimizers.TensorParallelMuon.orthogonalize
+    orthogonalize = mcore_muon.TensorParallelMuon.orthogonalize
 
     def recorded(self, p, grad, **kwargs):
         seen.append(tuple(p.shape))  # (each rank's shard: d's is twice the others')
         return orthogonalize(self, p, grad, **kwargs)
 
-    emerging_optimizers.TensorParallelMuon.orthogonalize = recorded
+    mcore_muon.TensorParallelMuon.orthogonalize = recorded
     out = {}
     with gloo_group(rank, world, port), dp.gpu_on_cpu():
         dp.initialize(tp=world)
