@@ -112,6 +112,11 @@ class CallSites:
             loading = bool(getattr(ckpt, "load_optim", True) and not getattr(ckpt, "finetune", False))
         return self._decide(optimizer, cfg, loading)
 
+    @property
+    def _masters_on_host(self) -> bool:
+        """Megatron-Core's fp32 masters are made on the host at construction: the builtin engine's streamed step."""
+        return bool(self.enabled and self.options.offload == "builtin" and self.options.chunk_mb)
+
     @functools.cached_property
     def inert(self) -> bool:
         """No optimizer can have a Session (decide.inert); asked at the first call, Megatron-Core loaded."""
@@ -231,7 +236,7 @@ class CallSites:
     def build_masters(self, name, wrapped, instance, args, kwargs):
         """Megatron-Core makes the fp32 masters: with the streamed step, a batch at a time, each batch
         moved to host memory before the next (construction.py)."""
-        if not (self.enabled and self.options.offload == "builtin" and self.options.chunk_mb):
+        if not self._masters_on_host:
             return wrapped(*args, **kwargs)
         from ..engine import MIB, construction
 
@@ -248,7 +253,7 @@ class CallSites:
     def build_whole_masters(self, name, wrapped, instance, args, kwargs):
         """Megatron-Core makes whole fp32 masters (Float16OptimizerWithFloat16Params: Muon's): with the
         streamed step, each moved to host memory as soon as it is made (construction.py)."""
-        if not (self.enabled and self.options.offload == "builtin" and self.options.chunk_mb):
+        if not self._masters_on_host:
             return wrapped(*args, **kwargs)
         from ..engine import construction
 
@@ -266,7 +271,7 @@ class CallSites:
         """A DistributedOptimizer built: its masters made on the host (build_masters) wait for a session, guarded
         (engine/adoption.py), as whole masters do above."""
         result = wrapped(*args, **kwargs)
-        if self.enabled and self.options.offload == "builtin" and self.options.chunk_mb:
+        if self._masters_on_host:
             from ..engine import adoption
 
             adoption.await_session(instance)

@@ -117,7 +117,7 @@ def acts(cfg, optimizer, options: Options) -> bool:
 def resolve(cfg, optimizer, options: Options) -> Optional[Session]:
     """A Session when offload will run for this optimizer; None (after saying why, where it matters)."""
     if options.offload == "off":
-        once(("off",), logging.INFO, "%soffload=off: bridge_fgo is patched but moves nothing", rank_prefix())
+        say_inert(cfg, options)
         return None
     inner = inner_optimizers(optimizer)
     dist_opts = distributed_optimizers(inner)
