@@ -64,9 +64,9 @@ say("to pinned host memory; from then on they and the Adam moments live there be
 say("engine.reload at gradient finalization (the first chunk's copy to the GPU starts), then inside")
 say("the optimizer step one update per chunk of parameters, and engine.settle as train_step returns.")
 rig = harness.Rig(cfg=cfg, with_tensors=True, shapes=BIG)
-from bridge_fgo.engine import BuiltinAdapter, update  # noqa: E402
+from bridge_fgo.engine import BuiltinAdapter, subset  # noqa: E402
 
-step_subset = update.step_subset
+step_subset = subset.step_subset
 
 
 def one_pass(inner, state, params_by_group):  # note each pass of the update (a chunk), then run it
@@ -85,7 +85,7 @@ def recorded(name):
 
 
 with mock.patch.multiple(BuiltinAdapter, **{n: recorded(n) for n in ENGINE_CALLS}), \
-        mock.patch.object(update, "step_subset", one_pass):
+        mock.patch.object(subset, "step_subset", one_pass):
     harness.run_steps(rig, steps=3)
 per_step = len(rig.events) // 3
 steps = [rig.events[i * per_step:(i + 1) * per_step] for i in range(3)]

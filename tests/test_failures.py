@@ -19,7 +19,7 @@ import torch
 from megatron.core.optimizer import distrib_optimizer
 
 import bridge_fgo
-from bridge_fgo.engine import update
+from bridge_fgo.engine import subset
 from support import harness
 from test_streamed import (SHAPES, assert_same, assert_whole_on_host, engine_for, engine_of, make, on_each_pass,
                            params, rig, rig_snapshot, snapshot, step)
@@ -96,7 +96,7 @@ def injected(where, index, engine):
     in: inside the pass, before the optimizer's step runs; in-after: inside it, after the step ran
     (the window holds the chunk's new values); after: the chunk's device-to-host copy."""
     calls = {"n": 0}
-    real_pass, real_wait, real_copy = update.step_subset, engine.copies.compute_wait, engine.copies.copy
+    real_pass, real_wait, real_copy = subset.step_subset, engine.copies.compute_wait, engine.copies.copy
 
     def nth() -> bool:
         calls["n"] += 1
@@ -121,7 +121,7 @@ def injected(where, index, engine):
         return real_copy(direction, dst, src, after)
 
     if where in ("in", "in-after"):
-        return mock.patch.object(update, "step_subset", one_pass)
+        return mock.patch.object(subset, "step_subset", one_pass)
     if where == "before":
         return mock.patch.object(engine.copies, "compute_wait", wait)
     return mock.patch.object(engine.copies, "copy", copy_)
@@ -432,14 +432,14 @@ def test_a_failure_between_the_optimizers_of_a_chain_tears_the_states(caplog, tm
     """The dense optimizer stepped, the expert one never did: Megatron-Core's master copy after the
     first fails. The original exception passes on; the mark and an ERROR line say what happened."""
     r, experts = chained_rig()
-    real = update.copy_rest
+    real = subset.copy_rest
 
     def copy_rest(opt, *a, **k):
         if opt is r.dist_optimizer:
             raise Boom("in Megatron-Core's master copy")
         return real(opt, *a, **k)
 
-    with mock.patch.object(update, "copy_rest", copy_rest), caplog.at_level(logging.ERROR, logger="bridge_fgo"), \
+    with mock.patch.object(subset, "copy_rest", copy_rest), caplog.at_level(logging.ERROR, logger="bridge_fgo"), \
             pytest.raises(Boom):
         harness.run_steps(r, steps=1)
     _, engine = engine_of()

@@ -258,7 +258,7 @@ def test_the_states_a_budget_keeps_are_updated_in_chunk_sized_pieces(kind, monke
     """One inner step() over every resident parameter would allocate the optimizer's scratch for all of
     them at once (torch's foreach AdamW: a temporary as large as their masters), where the window was
     sized for a chunk's: they go in pieces of at most a chunk (a larger parameter alone), exactly."""
-    from bridge_fgo.engine import update as subset
+    from bridge_fgo.engine import subset
 
     base, opt = make(**OPTIMIZERS[kind]), make(**OPTIMIZERS[kind])
     full = sum(bd.nbytes for bd in engine_for(make(**OPTIMIZERS[kind])).parts[0].bundles)

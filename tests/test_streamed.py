@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import bridge_fgo
-from bridge_fgo.engine import contracts, update
+from bridge_fgo.engine import contracts, subset
 from bridge_fgo.engine.streamed import StreamedEngine
 from bridge_fgo.engine.streamed import readers as readers_mod
 from bridge_fgo.engine.tensors import same
@@ -96,13 +96,13 @@ def on_each_pass(record):
     """record(inner, groups) as each pass of a streamed update begins (a chunk, or the resident
     parameters), with the param groups the pass steps. torch's step hooks fire once per step, around
     all the passes, so they cannot see them."""
-    real = update.step_subset
+    real = subset.step_subset
 
     def spy(inner, state, params_by_group):
         record(inner, state.groups(params_by_group))
         return real(inner, state, params_by_group)
 
-    with mock.patch.object(update, "step_subset", spy):
+    with mock.patch.object(subset, "step_subset", spy):
         yield
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import bridge_fgo
-from bridge_fgo.engine import update
+from bridge_fgo.engine import subset
 from bridge_fgo.engine.streamed import StreamedEngine
 from bridge_fgo.engine.streamed import readers as readers_mod
 from support import harness
@@ -26,14 +26,14 @@ def torn_chain():
     r, experts = chained_rig(((70, 30), (64,)))
     saved = [checkpoint(r.dist_optimizer), checkpoint(experts)]
     weights = [[buf.param_data.clone() for buf in opt.buffers] for opt in (r.dist_optimizer, experts)]
-    real = update.copy_rest
+    real = subset.copy_rest
 
     def copy_rest(opt, *a, **k):
         if opt is r.dist_optimizer:
             raise Boom("in Megatron-Core's master copy")
         return real(opt, *a, **k)
 
-    with mock.patch.object(update, "copy_rest", copy_rest), pytest.raises(Boom):
+    with mock.patch.object(subset, "copy_rest", copy_rest), pytest.raises(Boom):
         harness.run_steps(r, steps=1)
     _, engine = engine_of()
     assert engine.torn

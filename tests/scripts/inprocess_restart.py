@@ -57,7 +57,7 @@ from nvidia_resiliency_ext.inprocess import finalize as nvrx_finalize  # noqa: E
 
 import bridge_fgo  # noqa: E402
 from bridge_fgo import hostmem  # noqa: E402
-from bridge_fgo.engine import update  # noqa: E402
+from bridge_fgo.engine import subset  # noqa: E402
 from bridge_fgo.instrument import patcher, targets  # noqa: E402
 from bridge_fgo.instrument.callsites import ReloadingFinalize  # noqa: E402
 
@@ -150,7 +150,7 @@ def train(rig, start, fault, seen=None):
                 fault_in_backward = RuntimeError("fault in iteration 3")
                 rig.forward_backward_func = harness.forward_backward_func(rig.events, fault_in_backward)
             injected = {"step": failing_pass, "peer": peer_fault_pass}.get(fault) if it == FAULT_AT else None
-            with mock.patch.object(update, "step_subset", injected) if injected else contextlib.nullcontext():
+            with mock.patch.object(subset, "step_subset", injected) if injected else contextlib.nullcontext():
                 harness.run_steps(rig, steps=1)
             if it == start + 1 and seen is not None:
                 _, session = patcher._current.callsites.registry.lookup(rig.optimizer)

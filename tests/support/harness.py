@@ -226,18 +226,18 @@ def _no_released_storage(inner, params_by_group):
 
 @contextlib.contextmanager
 def checked_passes():
-    """The streamed engine's passes (update.step_subset: one chunk, or the resident parameters) each
+    """The streamed engine's passes (subset.step_subset: one chunk, or the resident parameters) each
     checked for released storage before they run. Not a step hook: those fire once per optimizer step,
     around all of its passes, when the masters waiting for their chunk have no storage."""
-    from bridge_fgo.engine import update
+    from bridge_fgo.engine import subset
 
-    real = update.step_subset
+    real = subset.step_subset
 
     def checked(inner, state, params_by_group):
         _no_released_storage(inner, params_by_group)
         return real(inner, state, params_by_group)
 
-    with mock.patch.object(update, "step_subset", checked):
+    with mock.patch.object(subset, "step_subset", checked):
         yield
 
 

@@ -43,7 +43,7 @@ from typing import Dict, List, Optional
 
 from ...codenames import code_names
 from ...log import once, rank_prefix
-from .. import update as subset
+from .. import subset
 from ..tensors import MASTER
 from .norms import Norms
 from .plan import Plan

@@ -20,7 +20,7 @@ from typing import Callable, Optional
 
 from ...errors import BridgeFGOError
 from ...log import logger, rank_prefix
-from .. import update as subset
+from .. import subset
 from ..uninterrupted import each
 from ..tensors import MASTER, kind_of, same
 from .plan import Plan

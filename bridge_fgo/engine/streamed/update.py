@@ -3,7 +3,7 @@
 While armed, each inner optimizer's step() and each DistributedOptimizer's
 _copy_main_params_to_model_params are instance attributes that run the update here: the parameters
 kept on the GPU (gpu_budget_gib) in place, then every chunk through a window slot. A chunk's pass is
-the inner optimizer's own step() over its parameters (engine/update.py: every param group at its
+the inner optimizer's own step() over its parameters (engine/subset.py: every param group at its
 index, group-level values as before the step, written back once), then Megatron-Core's own
 master -> model copy narrowed to the chunk's masters, then the qk_clip of the layers whose masters are
 in the chunk, over those masters (qkclip.py), the chunk's copy back to the host, and its masters' norms
@@ -22,7 +22,7 @@ from typing import Dict, List, Optional
 
 from ...errors import BridgeFGOError
 from ...log import logger, once, rank_prefix
-from .. import layout, quantized, update as subset
+from .. import layout, quantized, subset
 from ..tensors import MASTER, Bindings
 from .norms import Norms
 from .plan import Part, Plan
