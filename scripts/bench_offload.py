@@ -178,6 +178,10 @@ def parser():
                         "reads the format the checkpoint records)")
     r.add_argument("--resume-fix", choices=("none", "prime", "full"), default="none",
                    help="Megatron-Core without TE/apex cannot load torch AdamW state; see scripts/resume_fix.py")
+    r.add_argument("--fsdp", choices=("optim", "optim_grads", "optim_grads_params"),
+                   help="Megatron-FSDP with this sharding strategy (the fsdp_dtensor checkpoint format)")
+    r.add_argument("--dump-layout", metavar="PATH",
+                   help="write the optimizer's layout before and after the first step: PATH.PHASE.rankN.json")
     r.add_argument("--tp", type=int, default=1)
     r.add_argument("--pp", type=int, default=1)
     r.add_argument("--vpp", type=int, help="virtual pipeline stages per pipeline rank")

@@ -22,6 +22,7 @@ import sys
 import time
 
 import bench_workload
+import fsdp_layout
 from bench_workload import check_optimizer, precision_summary
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -39,12 +40,15 @@ def run(args):
     prepare_out(args.out)
     for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29517").items():
         os.environ.setdefault(k, v)
-    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    if not args.fsdp:  # Megatron-FSDP asserts it is unset or > 1
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     if args.act_offload:  # Bridge requires it with Transformer Engine >= 2.10 (its own activation offload off)
         os.environ.setdefault("NVTE_CPU_OFFLOAD_V1", "1")
     if args.deterministic:  # before CUDA and NCCL start: Bridge asserts NCCL_ALGO; cuBLAS needs a fixed workspace
         os.environ.setdefault("NCCL_ALGO", "Ring")
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        # Megatron-Core refuses TE's DotProductAttention under deterministic_mode otherwise
+        os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
     logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s: %(message)s")
     sys.path.insert(0, HERE)
     import bench_imports
@@ -102,6 +106,7 @@ def run(args):
         else:
             recs[-1]["tail_peak_gib"] = entry_peak
         held["model"] = model
+        held["optimizer"] = optimizer
         cfg = get_model_config(model[0])
         if not getattr(cfg, "_bench_probe", False):
             base = cfg.finalize_model_grads_func
@@ -149,7 +154,11 @@ def run(args):
                 torch.cuda.synchronize()
             write_profile(prof, (args.out or "bench") + f".profile-iter{len(recs)}")
         else:
+            if args.dump_layout and first:
+                dump_layout(args, "before_step1", model, optimizer)
             out = inner_step(forward_step_func, data_iterator, model, optimizer, *a, **k)
+            if args.dump_layout and first:
+                dump_layout(args, "after_step1", model, optimizer)
         torch.cuda.synchronize()
         r = recs[-1]
         t1 = time.perf_counter()
@@ -217,7 +226,8 @@ def run(args):
     wall = time.perf_counter() - t0
     if recs:  # the last iteration's final phase and what ran after it (a checkpoint save at the end)
         recs[-1]["tail_peak_gib"] = torch.cuda.max_memory_allocated() / GIB
-    h, meta = params_digest(held["model"])
+    h, meta = (fsdp_layout.digest(held["model"], held["optimizer"]) if fsdp_layout.is_fsdp(held["model"])
+               else params_digest(held["model"]))
     steady = [r for r in recs if r["iter"] > 2]
     rank = int(os.environ.get("RANK", "0"))
     summary = {
@@ -229,7 +239,7 @@ def run(args):
         "precision_aware": precision_summary(opt, args.precision_aware),
         # the final norm Megatron-Core would have used instead (apex's FusedLayerNorm has no RMSNorm)
         "norm_override": norm_override or None,
-        "layout": {"tp": args.tp, "pp": args.pp, "vpp": args.vpp, "ep": args.ep, "dp": dp, "experts": args.experts,
+        "layout": {"tp": args.tp, "pp": args.pp, "vpp": args.vpp, "ep": args.ep, "dp": dp, "experts": args.experts, "fsdp": args.fsdp,
                    "deterministic": args.deterministic, "overlap": overlap},
         "model_spec": "transformer_engine" if args.te_spec else "local",
         "activation_offload": args.act_offload_modules.split(",") if args.act_offload else None,
@@ -285,6 +295,18 @@ def run(args):
 # scales, not a dequantized copy; transposes are derived from them
 QUANTIZED_FIELDS = ("_data", "_scale_inv", "_rowwise_data", "_rowwise_scale_inv", "_columnwise_data",
                     "_columnwise_scale_inv")
+
+
+def dump_layout(args, phase, model, optimizer):
+    """--dump-layout PATH: Megatron-FSDP's layout as this rank holds it (scripts/fsdp_layout.py), one JSON per
+    rank and phase."""
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        desc = fsdp_layout.describe(model, optimizer)
+    except Exception as e:  # the probe must not end the run it describes
+        desc = {"error": f"{type(e).__name__}: {e}"}
+    with open(f"{args.dump_layout}.{phase}.rank{rank}.json", "w") as f:
+        json.dump(desc, f, indent=1, default=str)
 
 
 def params_digest(model):

@@ -247,6 +247,10 @@ def build(args):
         # NCCL_ALGO set and turns on torch.use_deterministic_algorithms
         deterministic_mode=args.deterministic, **off, **recompute, **moe, **qk_clip(args))
     overlap = dp > 1  # gradient reduce-scatter and param all-gather overlap only exist with DP > 1
+    # --fsdp STRATEGY: Megatron-FSDP as Bridge's Llama3 70B recipes set it (average_in_collective off, no
+    # FP8 transpose cache); Bridge's validation turns the distributed optimizer on
+    fsdp = (dict(use_megatron_fsdp=True, data_parallel_sharding_strategy=args.fsdp, keep_fp8_transpose_cache=False)
+            if getattr(args, "fsdp", None) else {})
     cfg = C.ConfigContainer(
         model=model,
         train=C.TrainingConfig(train_iters=args.iters, global_batch_size=args.global_batch,
@@ -257,8 +261,8 @@ def build(args):
         ddp=C.DistributedDataParallelConfig(check_for_nan_in_grad=not args.fp16, grad_reduce_in_fp32=not args.fp16,
                                             overlap_grad_reduce=overlap,
                                             overlap_param_gather=overlap and not getattr(args, "muon", False),
-                                            average_in_collective=True,
-                                            use_distributed_optimizer=not getattr(args, "muon", False)),
+                                            average_in_collective=not fsdp,
+                                            use_distributed_optimizer=not getattr(args, "muon", False), **fsdp),
         dataset=C.MockGPTDatasetConfig(seq_length=args.seq_length, random_seed=1234, reset_attention_mask=False,
                                        reset_position_ids=False, eod_mask_loss=False, num_dataset_builder_threads=1,
                                        split="9999,8,2", dataloader_type="single", num_workers=1,
@@ -269,7 +273,8 @@ def build(args):
         # --save: one synchronous torch_dist checkpoint at the last iteration (scripts/check_checkpoint.py)
         checkpoint=C.CheckpointConfig(save=args.save, load=args.load, ckpt_step=args.ckpt_step,
                                       save_interval=(args.save_interval or args.iters) if args.save else None,
-                                      ckpt_format="torch_dist", async_save=args.async_save, save_optim=True,
+                                      ckpt_format="fsdp_dtensor" if fsdp else "torch_dist",
+                                      async_save=args.async_save, save_optim=True,
                                       dist_ckpt_optim_fully_reshardable=args.fully_reshardable),
         rng=C.RNGConfig(seed=1234), mixed_precision=mixed_precision(args),
     )

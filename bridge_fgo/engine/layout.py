@@ -12,6 +12,7 @@ import dataclasses
 from typing import Collection, Dict, List, Optional, Sequence, Tuple
 
 from .contracts import Contract
+from .fsdp import local
 from .tensors import ALIGN, MASTER, SCALE, STATE, Entry, Movable, aligned, nbytes_like, nbytes_of
 
 
@@ -54,19 +55,20 @@ def bundle_of(part: int, group_index: int, p, group, inner, contract: Contract, 
     that exists is taken as it is (after a checkpoint load, or in a later plan); one that does not yet
     exist is predicted by the optimizer's contract."""
     entries = []
+    lp = local(p)  # the memory of a DTensor parameter (Megatron-FSDP): its local tensor, the master itself
     if moves_master:
-        entries.append(Entry(MASTER, p, None, tuple(p.shape), p.dtype, nbytes_of(p)))
+        entries.append(Entry(MASTER, lp, None, tuple(lp.shape), lp.dtype, nbytes_of(lp)))
     state = inner.state.get(p) or {}
     specs = {s.key: s for s in contract.states(inner, p, group)}
     keys = list(dict.fromkeys([*specs, *state]))
     for key in keys:
-        t = state.get(key)
+        t = local(state.get(key))
         if t is not None:
             if not movable.take(t):
                 continue
             entries.append(Entry(STATE, p, key, tuple(t.shape), t.dtype, nbytes_of(t)))
         elif key in specs:
-            entries.append(Entry(STATE, p, key, tuple(p.shape), specs[key].dtype, nbytes_like(p, specs[key].dtype)))
+            entries.append(Entry(STATE, p, key, tuple(lp.shape), specs[key].dtype, nbytes_like(lp, specs[key].dtype)))
     for key in keys:
         spec = specs.get(key)
         if spec is None or not spec.scaled:

@@ -13,8 +13,8 @@ tensor that does not own its whole storage (releasing that storage would free me
 An Entry is one such tensor. It is reached through one of three bindings, so an engine can rebind
 it (to a host view, a GPU window, a GPU tensor) without knowing which kind it is:
 - MASTER: the master tensor itself (`master.data = t`, which keeps the object Megatron-Core and the
-  optimizer hold);
-- STATE: `inner.state[p][key]`;
+  optimizer hold; under Megatron-FSDP the local tensor of the optimizer's DTensor parameter, fsdp.py);
+- STATE: `inner.state[p][key]` (a DTensor's local tensor: the DTensor stays, its local is rebound);
 - SCALE: the optimizer's scale of state `key` (TE: `inner._scales[p][key]`).
 """
 from __future__ import annotations
@@ -23,6 +23,7 @@ import dataclasses
 from typing import Iterable, List, Optional, Set, Tuple
 
 from . import construction
+from .fsdp import is_dtensor, local
 
 MASTER, STATE, SCALE = "master", "state", "scale"
 ALIGN = 512  # bytes: every entry of 512 bytes or more starts aligned, so copies are clean DMAs
@@ -115,13 +116,18 @@ def kind_of(opt) -> Kind:
     return DISTRIBUTED  # (a part without masters: nothing of it moves but its states)
 
 
-def masters(opt) -> List[object]:
-    """The part's fp32 masters of bf16/fp16 parameters, in its order."""
+def masters(opt, layout=None) -> List[object]:
+    """The part's fp32 masters of bf16/fp16 parameters, in its order (under Megatron-FSDP, `layout`'s:
+    the local tensors of the optimizer's parameters, fsdp.py)."""
+    if layout is not None:
+        return layout.masters()
     return list(flat(getattr(opt, kind_of(opt).masters, None)))
 
 
-def excluded_storages(opt) -> Set[int]:
+def excluded_storages(opt, layout=None) -> Set[int]:
     """Storages that never move: model parameters, fp32 shards that alias them, param/grad buffers."""
+    if layout is not None:
+        return layout.excluded()
     keys = set()
     kind = kind_of(opt)
     for name in (*kind.model_groups, *kind.shards):
@@ -139,12 +145,14 @@ class Movable:
     elements on the GPU (on CPU in tests, where no GPU exists), own its storage, and be neither
     excluded nor already taken."""
 
-    def __init__(self, opt):
+    def __init__(self, opt, layout=None):
         import torch
 
         self.torch = torch
-        self.excluded = excluded_storages(opt)
-        self.seen: Set[int] = set()
+        self.excluded = excluded_storages(opt, layout)
+        # Megatron-FSDP's main-weight buffers: every master a view of one, moved view by view (fsdp.py)
+        self.flats = layout.flat_storages() if layout is not None else set()
+        self.seen: Set[object] = set()
         self.shared = 0  # skipped because they share storage
         self.cpu_is_host = torch.cuda.is_available()
 
@@ -158,6 +166,11 @@ class Movable:
         if t.untyped_storage().nbytes() == 0:
             return False  # released elsewhere; never copy from freed storage
         key = storage_key(t)
+        if key in self.flats:  # a master of Megatron-FSDP's: a view, taken once
+            if (key, t.data_ptr()) in self.seen:
+                return False
+            self.seen.add((key, t.data_ptr()))
+            return True
         if key in self.excluded or key in self.seen:
             return False
         if not owns_storage(t):
@@ -196,14 +209,18 @@ class Bindings:
         if e.kind == MASTER:
             return e.param
         if e.kind == STATE:
-            return (self.inner.state.get(e.param) or {}).get(e.key)
+            return local((self.inner.state.get(e.param) or {}).get(e.key))
         return self.contract.scale_of(self.inner, e.param, e.key)
 
     def set(self, e: Entry, t) -> None:
         if e.kind == MASTER:
             e.param.data = t
         elif e.kind == STATE:
-            self.inner.state[e.param][e.key] = t
+            held = self.inner.state[e.param].get(e.key)
+            if is_dtensor(held):  # Megatron-FSDP's states: the DTensor kept, its local tensor rebound
+                held._local_tensor = t
+            else:
+                self.inner.state[e.param][e.key] = t
         else:
             self.contract.set_scale(self.inner, e.param, e.key, t)
 

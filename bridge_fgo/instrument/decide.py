@@ -134,5 +134,5 @@ def resolve(cfg, optimizer, options: Options) -> Optional[Session]:
         return None
     adams = [getattr(o, "optimizer", o) for o in dist_opts]  # the optimizers each one wraps
     refusals.check(cfg, inner, dist_opts, who=chosen.who, extra=chosen.refusals(cfg, options, adams),
-                   served=chosen.optimizers)
+                   served=chosen.optimizers, fsdp=chosen.serves_megatron_fsdp(options))
     return Session(optimizer, chosen.build(optimizer, cfg, dist_opts, options), mode=chosen.mode)

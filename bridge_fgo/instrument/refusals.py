@@ -80,10 +80,11 @@ def _holds_muon(inner_optimizers) -> bool:
 
 
 def problems(cfg, inner_optimizers: List[object], dist_optimizers: List[object], who: str,
-             extra: Sequence[str] = (), served: Sequence[str] = ADAM) -> List[str]:
+             extra: Sequence[str] = (), served: Sequence[str] = ADAM, fsdp: bool = False) -> List[str]:
     """Every reason `cfg` (Bridge's ConfigContainer) cannot be served; empty when it can.
     `extra`: the refusals of the generation that would serve it (Generation.refusals); `served`: the
-    cfg.optimizer.optimizer names it serves (Generation.optimizers)."""
+    cfg.optimizer.optimizer names it serves (Generation.optimizers); `fsdp`: whether it serves Megatron-FSDP
+    (Generation.serves_megatron_fsdp)."""
     opt, ddp, dist = getattr(cfg, "optimizer", None), getattr(cfg, "ddp", None), getattr(cfg, "dist", None)
     out = list(extra)
     name = getattr(opt, "optimizer", "adam")
@@ -112,10 +113,10 @@ def problems(cfg, inner_optimizers: List[object], dist_optimizers: List[object],
                    f"{', '.join(repr(n) for n in served)}{_not_adam(opt, name)}; set "
                    "optimizer='adam', or drop offload")
     if getattr(ddp, "use_megatron_fsdp", False) or getattr(dist, "use_megatron_fsdp", False):
-        out.append(
+        out += megatron_fsdp(cfg, dist_optimizers, who) if fsdp else [
             "cfg.ddp.use_megatron_fsdp / cfg.dist.use_megatron_fsdp is True: Megatron-FSDP keeps its own "
-            "optimizer-state layout; turn it off or drop offload"
-        )
+            f"optimizer-state layout, which {who} does not offload; bridge_fgo's streamed step does: "
+            "offload='builtin' with chunk_mb > 0 (BRIDGE_FGO_OFFLOAD=builtin), or turn Megatron-FSDP off"]
     if getattr(opt, "optimizer_cpu_offload", False):
         out.append(
             "cfg.optimizer.optimizer_cpu_offload=True already keeps optimizer states on the host; "
@@ -135,9 +136,37 @@ def problems(cfg, inner_optimizers: List[object], dist_optimizers: List[object],
     return out
 
 
+def megatron_fsdp(cfg, dist_optimizers, who: str) -> List[str]:
+    """What the streamed step cannot serve of a Megatron-FSDP run (engine/fsdp.py), each naming the field."""
+    from ..engine import fsdp
+
+    fix = "; or drop offload"
+    out = []
+    ddp, model, logger_cfg = (getattr(cfg, k, None) for k in ("ddp", "model", "logger"))
+    for opt in dist_optimizers:
+        for p in fsdp.problems(opt):
+            if p not in out:
+                out.append(p)
+    if not dist_optimizers:
+        found = getattr(ddp, "data_parallel_sharding_strategy", None)
+        if found not in fsdp.STRATEGIES:
+            out.append(f"cfg.ddp.data_parallel_sharding_strategy={found!r} with Megatron-FSDP: {who} serves "
+                       f"{', '.join(repr(x) for x in fsdp.STRATEGIES)}{fix}")
+    if getattr(logger_cfg, "log_params_norm", False):
+        out.append("cfg.logger.log_params_norm=True with Megatron-FSDP: Bridge then reads every master through "
+                   f"Megatron-FSDP's DTensors between steps, which the streamed step keeps on the host; set it to False{fix}")
+    if getattr(model, "qk_clip", False):
+        out.append(f"cfg.model.qk_clip=True with Megatron-FSDP: not served by the streamed step yet; set it to False{fix}")
+    ckpt = getattr(cfg, "checkpoint", None)
+    if ckpt is not None and saves_optimizer_async(cfg):
+        out.append("cfg.checkpoint.async_save=True with Megatron-FSDP: an asynchronous fsdp_dtensor save of the "
+                   f"host states is not served yet; set async_save=False{fix}")
+    return out
+
+
 def check(cfg, inner_optimizers: List[object], dist_optimizers: List[object], who: str,
-          extra: Sequence[str] = (), served: Sequence[str] = ADAM) -> None:
-    found = problems(cfg, inner_optimizers, dist_optimizers, who, extra, served)
+          extra: Sequence[str] = (), served: Sequence[str] = ADAM, fsdp: bool = False) -> None:
+    found = problems(cfg, inner_optimizers, dist_optimizers, who, extra, served, fsdp)
     if found:
         raise BridgeFGOConfigError(
             "optimizer-state offload cannot run with this configuration:\n  - " + "\n  - ".join(found)
@@ -170,6 +199,9 @@ def checkpoint_format(cfg, fix: str = "") -> List[str]:
     ckpt = getattr(cfg, "checkpoint", None)
     if ckpt is None or not any(_saves_or_loads_optim(ckpt)):
         return []
+    fsdp = getattr(getattr(cfg, "ddp", None), "use_megatron_fsdp", False)
+    if fsdp and getattr(ckpt, "ckpt_format", None) == "fsdp_dtensor":
+        return []  # Megatron-FSDP's own format: its states are read and written through their DTensors
     if getattr(ckpt, "ckpt_format", "torch_dist") != "torch_dist":
         return [f"cfg.checkpoint.ckpt_format={ckpt.ckpt_format!r}: optimizer state kept in host buffers is "
                 f"saved and loaded per rank only by 'torch_dist'; set ckpt_format='torch_dist'{fix}"]

@@ -22,7 +22,8 @@ from typing import Optional
 
 from ...errors import BridgeFGOError
 from ...log import logger, rank_prefix
-from ..tensors import same
+from .. import subset
+from ..tensors import MASTER, same
 from .fitting import Fitting
 from .head import Head
 from .norms import Norms
@@ -60,6 +61,7 @@ class StreamedEngine:
         self.fitting = Fitting(self.plan, self.transfers, self.head, budget_bytes, auto)
         self.setup_peak: Optional[int] = None
         self.steps_streamed = 0
+        self._fsdp_hooks = subset.Shadows()
 
     # -- what the adapter, status and tests read -------------------------------------------------
     parts = property(lambda self: self.plan.parts)
@@ -128,6 +130,9 @@ class StreamedEngine:
             return
         t.pin()
         t.take_all()  # masters made on the host at construction, states a load put elsewhere
+        for part in self.parts:
+            if part.fsdp is not None:  # Megatron-FSDP's own copy outside an update reads the host masters
+                part.fsdp.hook(self._fsdp_hooks, _weakly(self.synchronize))
         if not self.readers.states_after_load:
             t.materialize()
         self.readers.hook_loads()
@@ -274,14 +279,18 @@ class StreamedEngine:
                 b = part.bindings
             except BridgeFGOError:  # the optimizer is gone: nothing left to give back
                 continue
+            if part.fsdp is not None:  # Megatron-FSDP's buffers made again, the masters views of them
+                part.fsdp.restore(self.device)
             for bundle in part.bundles:
                 for e in bundle.entries:
-                    if b.get(e) is not None and not bundle.resident and not e.dropped:
+                    if (b.get(e) is not None and not bundle.resident and not e.dropped
+                            and not (part.fsdp is not None and e.kind == MASTER)):
                         t.to_device(part, b, e)
         if self.device is not None and self.device.type == "cuda":
             import torch
 
             torch.cuda.synchronize(self.device)
         self.readers.unhook_loads()
+        self._fsdp_hooks.restore()
         self.head.detach()
         t.free()

@@ -9,7 +9,7 @@ import weakref
 from typing import Collection, Dict, Iterator, List, Optional, Tuple
 
 from ...errors import BridgeFGOError
-from .. import contracts, layout, quantized
+from .. import contracts, fsdp, layout, quantized
 from ..tensors import (MASTER, Bindings, Entry, Movable, flat, inner_params, kind_of, masters, model_params_of_masters,
                        same)
 
@@ -34,6 +34,8 @@ class Part:
         self._opt = weakref.ref(opt)
         self._inner = weakref.ref(opt.optimizer)
         self.contract = contracts.of(opt.optimizer)
+        # Megatron-FSDP's layout (fsdp.py): masters views of its main-weight buffers, its own copy after the step
+        self.fsdp = fsdp.Layout(opt) if fsdp.serves(opt) else None
         self.bundles: List[layout.Bundle] = []
         self.chunks: List[layout.Chunk] = []
         self.model_of: Dict[int, tuple] = {}
@@ -140,14 +142,14 @@ class Plan:
         offset = 0
         for part in self.parts:
             opt, inner = part.opt, part.inner
-            movable = Movable(opt)
-            part.model_of = model_params_of_masters(opt)
+            movable = Movable(opt, part.fsdp)
+            part.model_of = {} if part.fsdp is not None else model_params_of_masters(opt)
             moved_masters = set()
-            for t in masters(opt):
+            for t in masters(opt, part.fsdp):
                 if movable.take(t):
                     moved_masters.add(id(t))
             part.bundles = [layout.bundle_of(part.index, gi, p, inner.param_groups[gi], inner, part.contract,
-                                             movable, id(p) in moved_masters)
+                                             movable, id(fsdp.local(p)) in moved_masters)
                             for gi, p in inner_params(inner)]
             part.shared = movable.shared
             offset = layout.place(part.bundles, offset)
@@ -248,4 +250,14 @@ class Plan:
         return sum(len(part.entries()) for part in self.parts)
 
     def optimizers(self) -> List[str]:
-        return [contracts.describe(inner) for inner in (p._inner() for p in self.parts) if inner is not None]
+        out = []
+        for part in self.parts:
+            inner = part._inner()
+            if inner is None:
+                continue
+            text = contracts.describe(inner)
+            if part.fsdp is not None:  # which sharding was found, for the per-rank lines and status
+                text += (f" under Megatron-FSDP, {fsdp.strategy(part._opt())} ({len(part.fsdp.flats)} main-weight "
+                         "buffer(s))")
+            out.append(text)
+        return out

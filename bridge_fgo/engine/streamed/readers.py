@@ -22,6 +22,7 @@ from ...errors import BridgeFGOError
 from ...log import logger, rank_prefix
 from .. import subset
 from ..uninterrupted import each
+from ..fsdp import local as fsdp_local
 from ..tensors import MASTER, kind_of, same
 from .plan import Plan
 from .transfers import Transfers
@@ -171,6 +172,8 @@ class Readers:
                      (part.opt, "reload_model_params", "_reload_model_params")]
             if kind_of(part.opt).inits_on_load and callable(part.opt.__dict__.get("init_state_fn")):
                 hooks.append((part.opt, "init_state_fn", "_init_states"))
+            if part.fsdp is not None and hasattr(type(part.opt), "_init_optimizer_states_with_dummy_values"):
+                hooks.append((part.opt, "_init_optimizer_states_with_dummy_values", "_dummy_states"))
             for owner, name, method in hooks:
                 prior = owner.__dict__.get(name)
                 self._loaders.set(owner, name, functools.partial(_hook, me, method, name, weakref.ref(owner), prior))
@@ -215,6 +218,24 @@ class Readers:
             with subset.narrowed(inner, groups):
                 prior(inner, *args, **kwargs)
             for e in () if bundle.resident else bundle.entries:  # (resident: made on the GPU, where they stay)
+                t = b.get(e)
+                if not e.dropped and t is not None and not same(t, e.host):
+                    self.transfers.take(part, b, e, t)
+
+    def _dummy_states(self, opt_ref, prior, *args, **kwargs):  # through _hook
+        """Megatron-Core's _init_optimizer_states_with_dummy_values, before an fsdp_dtensor load builds what
+        it fills: it makes the states by one inner step over zero gradients, which would step the masters
+        where they are (the host). Instead each missing state is made as the optimizer's first step makes
+        it (contracts.py), one parameter at a time, and taken into its host view: the load then writes into
+        the pinned buffer (Megatron-FSDP, engine/fsdp.py)."""
+        part = self.plan.part_of(opt_ref())
+        inner, b = part.inner, part.bindings
+        for bundle in part.bundles:
+            p = bundle.param
+            if inner.state.get(p) or fsdp_local(p).numel() == 0:
+                continue  # made already (materialized before the load, or stepped); an empty shard: none
+            part.contract.create(inner, p, inner.param_groups[bundle.group], self.plan.device)
+            for e in () if bundle.resident else bundle.entries:
                 t = b.get(e)
                 if not e.dropped and t is not None and not same(t, e.host):
                     self.transfers.take(part, b, e, t)

@@ -79,17 +79,18 @@ class Transfers:
         """Copy `t` (what `e` is bound to) into e's host view now and bind the view; free t's memory if
         it is on the compute device and `free` (not a loaded tensor: the load's or its caller's own).
         A master keeps a storage-less tensor on the compute device as its shell (reload binds it)."""
-        self.check_takeover(part, e, t, frees=free)
+        flat = part.fsdp is not None and e.kind == MASTER  # a view of Megatron-FSDP's buffer: retired whole
+        self.check_takeover(part, e, t, frees=free and not flat)
         e.host.copy_(t.detach())
         if e.kind == MASTER:
             self.plan.writes += 1
         old = t.data  # a master is rebound in place (`master.data = view`): keep what it was bound to
         on_device = old.device == self.device
         if e.kind == MASTER:
-            part.shells[id(e.param)] = old if on_device else self.new_shell(e)
+            part.shells[id(e.param)] = old if on_device and not flat else self.new_shell(e)
             construction.unstage(e.param)
         b.set(e, e.host)
-        if free and on_device and (e.kind == MASTER or owns_storage(old)):
+        if free and on_device and not flat and (e.kind == MASTER or owns_storage(old)):
             old.untyped_storage().resize_(0)  # shared by anyone still holding the old tensor: freed for all
 
     def new_shell(self, e: Entry):
@@ -104,6 +105,13 @@ class Transfers:
     def take_all(self, free: bool = True) -> None:
         for part, b, e, t in list(self.plan.away()):
             self.take(part, b, e, t, free)
+        self.retire_flats()
+
+    def retire_flats(self) -> None:
+        """Megatron-FSDP's main-weight buffers none of whose masters is bound to them any more: given up."""
+        for part in self.plan.parts:
+            if part.fsdp is not None:
+                part.fsdp.retire()
 
     def materialize(self) -> None:
         """Every planned state the optimizer has not created yet, created by the optimizer's own code
@@ -177,11 +185,13 @@ class Transfers:
             self.copies.host_wait(last)
         for part, b, e, t in pending:  # bound to the host only once its copy is whole
             on_device = t.device == self.device
+            flat = part.fsdp is not None and e.kind == MASTER  # a view of Megatron-FSDP's buffer: retired whole
             if e.kind == MASTER:  # keeps the GPU tensor as its shell: its storage is freed at release()
-                part.shells[id(e.param)] = e.param.data if on_device else self.new_shell(e)
-            if on_device:  # host memory bridge_fgo did not pin is never emptied: dropped, not freed
+                part.shells[id(e.param)] = e.param.data if on_device and not flat else self.new_shell(e)
+            if on_device and not flat:  # host memory bridge_fgo did not pin is never emptied: dropped, not freed
                 self.adopted.append(e.param.data if e.kind == MASTER else t)
             b.set(e, e.host)
+        self.retire_flats()
 
     def release(self) -> bool:
         """Free the GPU storage of what adopt() took over; whether there was any."""

@@ -106,6 +106,11 @@ class Update:
         return subset.hooked_once(inner, functools.partial(self._update, part), *args, **kwargs)
 
     def _copy_rest(self, part: Part, *args, **kwargs):
+        if part.fsdp is not None:  # Megatron-FSDP's own copy, once, over the masters kept by the passes
+            out = part.fsdp.copy_rest(functools.partial(type(part.opt)._copy_main_params_to_model_params, part.opt),
+                                      *args, **kwargs)
+            self.rest_done.add(part.index)
+            return out
         out = subset.copy_rest(part.opt, part.index in self.copied_masters, *args, kept=self.kept.get(part.index),
                                **kwargs)
         self.rest_done.add(part.index)
@@ -141,6 +146,8 @@ class Update:
             self._begin(part, run)
             subset.step_subset(inner, state, run)
             self._copy_masters(part, [p for ps in run.values() for p in ps])
+            if part.fsdp is not None:
+                part.fsdp.keep([p for ps in run.values() for p in ps])
         self.where = f"while writing back the param groups' values after the last chunk{chain}"
         state.commit()
 
@@ -162,6 +169,8 @@ class Update:
         for e, view in views:
             keep(part, b, e, view)
         self._copy_masters(part, [bd.param for bd in chunk.bundles])
+        if part.fsdp is not None:  # each master kept in its model's dtype for Megatron-FSDP's one copy (fsdp.py)
+            part.fsdp.keep([bd.param for bd in chunk.bundles])
         self.qk.in_pass(chunk.index)
         t.d2h(chunk, slot)
         self.norms.passed(views)  # on the compute stream: the slot is refilled only after it

@@ -134,6 +134,10 @@ class Generation:
         serve beyond the shared ones (refusals.py)."""
         return []
 
+    def serves_megatron_fsdp(self, options) -> bool:
+        """Whether it offloads Megatron-FSDP's optimizer states (Megatron-Core's own offloaders refuse them)."""
+        return False
+
     def build(self, optimizer, cfg, dist_optimizers: List[object], options) -> Adapter:
         raise NotImplementedError
 

@@ -33,6 +33,9 @@ class _None(Generation):
             return []
         return refusals.streamed(cfg, inner_optimizers, options)
 
+    def serves_megatron_fsdp(self, options) -> bool:
+        return bool(options.chunk_mb)  # the streamed step (engine/fsdp.py); the one window does not
+
     def build(self, optimizer, cfg, dist_optimizers, options) -> Adapter:
         # imported here: the registry is read by `import bridge_fgo`, which must not load the engine
         # (nor torch) in processes that never train

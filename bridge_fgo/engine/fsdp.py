@@ -1,0 +1,322 @@
+"""Megatron-FSDP's part of the streamed step: where its optimizer keeps the masters, and its own
+master -> model copy run once after the last chunk.
+
+Under cfg.ddp.use_megatron_fsdp, Megatron-Core's DistributedOptimizer returns early from its constructor
+(megatron-core 0.19.2): Megatron-FSDP holds the fp32 masters, one flat buffer per parameter group
+(`main_weight_buffer.data`, this rank's shard for the optim, optim_grads and optim_grads_params
+strategies), and the inner optimizer steps `nn.Parameter(DTensor)`s whose local tensors are views of
+that buffer. The states are DTensors of their own storage (Transformer Engine's FusedAdam wraps what it
+makes in DTensor.from_local). Measured on two H200s on 2026-11-27 (docs/design.md#megatron-fsdp).
+
+What this module does for the engine:
+- the masters are the local tensors of the optimizer's parameters (`local`), rebound in place like a
+  distributed optimizer's masters (`local.data = view`); Megatron-FSDP's own DTensors over the same
+  storage (`dist_main_weight`) are made to share them, so one rebinding serves both;
+- a flat buffer is given up once none of its masters is bound to it any more: `data` becomes a tensor on
+  the meta device (a read fails loudly, never reads freed memory) and the GPU storage goes with the
+  last reference (retire); unpatch makes it again, the masters views of it as before (restore);
+- after each pass the updated masters are kept in the model's dtype in their own gradients' storage
+  (the FP8 case of quantized.py, for every parameter here), and Megatron-Core's own
+  `_copy_main_params_to_model_params` (Megatron-FSDP's `copy_main_weights_to_model_weights`, the FP8
+  cast and its amax reduction among it) runs once after the last chunk over those copies, each group's
+  main-weight buffer presented by what was kept (copy_rest). Transformer Engine's FP8 cast reads a
+  master only through `master.to(model dtype)` (quantized.py), and a bf16 copy of a kept bf16 value is
+  the value: the same bits as Megatron-FSDP's own copy from the fp32 masters.
+
+Imports no torch at module level.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import weakref
+from typing import Dict, List, Optional, Set
+
+from ..errors import BridgeFGOError
+from ..log import once, rank_prefix
+
+STRATEGIES = ("optim", "optim_grads", "optim_grads_params")
+
+
+def serves(opt) -> bool:
+    """Whether `opt` is a DistributedOptimizer whose states Megatron-FSDP holds."""
+    return bool(getattr(getattr(opt, "ddp_config", None), "use_megatron_fsdp", False)) and not getattr(
+        opt, "is_stub_optimizer", False)
+
+
+def is_dtensor(t) -> bool:
+    return type(t).__name__ == "DTensor" or (hasattr(t, "_local_tensor") and hasattr(t, "_spec"))
+
+
+def local(t):
+    """A DTensor's local tensor (what holds the memory); any other tensor itself."""
+    return t._local_tensor if is_dtensor(t) else t
+
+
+def strategy(opt) -> Optional[str]:
+    return getattr(getattr(opt, "ddp_config", None), "data_parallel_sharding_strategy", None)
+
+
+def _buffers(pgb):
+    for g in getattr(pgb, "parameter_groups", None) or ():
+        yield g
+
+
+class Flat:
+    """One parameter group's main-weight buffer and the masters that are views of it."""
+
+    def __init__(self, group, mbuf, items):
+        self._group = weakref.ref(group)
+        self.mbuf = mbuf
+        self.items = items  # [(item_id, optimizer parameter, element offset in the flat, local shape)]
+        data = mbuf.data
+        self.dtype, self.numel, self.device = data.dtype, data.numel(), data.device
+        self.retired = False
+
+    @property
+    def group(self):
+        return self._group()
+
+
+class Layout:
+    """The Megatron-FSDP layout of one DistributedOptimizer: its flats, and its parameters by item."""
+
+    def __init__(self, opt):
+        self._opt = weakref.ref(opt)
+        self.flats: List[Flat] = []
+        self.by_orig: Dict[int, object] = {}  # id(Megatron-FSDP's original parameter) -> optimizer parameter
+        self.kept: Dict[int, object] = {}  # id(optimizer parameter) -> its updated master in the model's dtype
+        inner_ids = {id(p) for g in opt.optimizer.param_groups for p in g["params"]}
+        for chunk in getattr(opt, "model_chunks", None) or ():
+            pgb = getattr(chunk, "param_and_grad_buffer", None)
+            if pgb is None:
+                continue
+            named = dict(getattr(pgb, "optimizer_named_parameters", None) or ())
+            for name, dist in (getattr(pgb, "dist_main_weight", None) or {}).items():
+                p = named.get(name)
+                if p is not None and is_dtensor(dist) and dist is not p and local(dist) is not local(p):
+                    dist._local_tensor = local(p)  # one object over the storage: rebinding it serves both
+            for p in named.values():
+                orig = getattr(p, "orig_param", None)
+                if orig is not None:
+                    self.by_orig[id(orig)] = p
+            for g in _buffers(pgb):
+                mbuf = getattr(g, "main_weight_buffer", None)
+                data = getattr(mbuf, "data", None)
+                if mbuf is None or data is None or data.device.type == "meta":
+                    continue
+                items = []
+                base = data.data_ptr()
+                for item_id, orig in enumerate(g.params):
+                    p = self.by_orig.get(id(orig))
+                    if p is None or id(p) not in inner_ids:
+                        continue
+                    lt = local(p)
+                    if lt.numel() == 0:
+                        continue
+                    if lt.untyped_storage().data_ptr() != data.untyped_storage().data_ptr():
+                        raise BridgeFGOError(
+                            f"{rank_prefix()}bridge_fgo cannot offload Megatron-FSDP's optimizer states: a "
+                            f"parameter of shape {tuple(p.shape)} is not a view of its group's main-weight buffer "
+                            "(an unknown Megatron-FSDP layout). Nothing was moved. Fix: drop offload, or report "
+                            "the megatron-core version")
+                    items.append((item_id, p, (lt.data_ptr() - base) // lt.element_size(), tuple(lt.shape)))
+                self.flats.append(Flat(g, mbuf, items))
+
+    @property
+    def opt(self):
+        opt = self._opt()
+        if opt is None:
+            raise BridgeFGOError("internal: an optimizer the engine serves was garbage-collected")
+        return opt
+
+    # -- what moves -------------------------------------------------------------------------------
+    def masters(self) -> List[object]:
+        """The local tensors of the optimizer's parameters that are views of a main-weight buffer."""
+        return [local(p) for f in self.flats for _, p, _, _ in f.items]
+
+    def flat_storages(self) -> Set[int]:
+        return {f.mbuf.data.untyped_storage().data_ptr() for f in self.flats if not f.retired}
+
+    def excluded(self) -> Set[int]:
+        """Storages that never move: the model weights, their transpose, the gradients."""
+        keys = set()
+        for chunk in getattr(self.opt, "model_chunks", None) or ():
+            for g in _buffers(getattr(chunk, "param_and_grad_buffer", None)):
+                for attr in ("model_weight_buffer", "transpose_weight_buffer", "main_grad_buffer",
+                             "hfsdp_helper_wbuf", "hfsdp_helper_wtbuf", "hfsdp_helper_gbuf"):
+                    data = getattr(getattr(g, attr, None), "data", None)
+                    if data is not None and data.device.type != "meta":
+                        keys.add(data.untyped_storage().data_ptr())
+        return keys
+
+    # -- the flats ----------------------------------------------------------------------------------
+    def retire(self) -> int:
+        """Each flat none of whose masters is bound to it any more: `data` on the meta device, its storage
+        left to go with its last reference. Returns the bytes given up."""
+        import torch
+
+        freed = 0
+        for f in self.flats:
+            if f.retired:
+                continue
+            key = f.mbuf.data.untyped_storage().data_ptr()
+            if any(local(p).untyped_storage().data_ptr() == key for _, p, _, _ in f.items):
+                continue
+            old = f.mbuf.data
+            f.mbuf.data = torch.empty(old.shape, dtype=old.dtype, device="meta")
+            f.retired = True
+            # uses of the storage beside `old` and the storage object this call makes
+            users = torch._C._storage_Use_Count(old.untyped_storage()._cdata) - 2
+            nbytes = old.untyped_storage().nbytes()
+            del old
+            if users > 0:
+                once(("fsdp-flat-held",), logging.WARNING,
+                     "%sMegatron-FSDP's main-weight buffer is still referenced elsewhere after its masters moved "
+                     "to the host: its GPU memory (%d bytes for one group) stays allocated", rank_prefix(), nbytes)
+            else:
+                freed += nbytes
+        return freed
+
+    def restore(self, device) -> None:
+        """Every retired flat made again on `device`, each master copied in from where it is bound and
+        bound to its view of the flat, as Megatron-FSDP laid it out (unpatch)."""
+        import torch
+
+        for f in self.flats:
+            if not f.retired:
+                continue
+            data = torch.empty(f.numel, dtype=f.dtype, device=device)
+            for _, p, offset, shape in f.items:
+                lt = local(p)
+                n = lt.numel()
+                view = data[offset:offset + n].view(shape)
+                view.copy_(lt)
+                lt.data = view
+            f.mbuf.data = data
+            f.retired = False
+
+    # -- the update ---------------------------------------------------------------------------------
+    def keep(self, params) -> None:
+        """After the pass that updated these parameters: each master in its model parameter's dtype, in
+        its gradient's storage where that holds it (read by no one after the inner step)."""
+        import torch
+
+        for p in params:
+            orig = getattr(p, "orig_param", None)
+            lt = local(p)
+            if orig is None or lt.numel() == 0:
+                continue
+            dtype = orig.dtype
+            n = lt.numel()
+            need = n * torch.empty((), dtype=dtype).element_size()
+            grad = getattr(p, "decoupled_grad", None) if getattr(self.opt.optimizer, "use_decoupled_grad", False) \
+                else p.grad
+            g = local(grad) if grad is not None else None
+            if (g is not None and g.device == lt.device and g.is_contiguous()
+                    and g.numel() * g.element_size() >= need):
+                out = g.view(-1).view(torch.uint8)[:need].view(dtype)
+            else:
+                out = torch.empty(n, dtype=dtype, device=lt.device)
+            out.copy_(lt.reshape(-1))  # round to nearest even, as the copy and the FP8 cast do first
+            self.kept[id(p)] = out
+
+    def copy_rest(self, copy, *args, **kwargs):
+        """Megatron-Core's _copy_main_params_to_model_params (`copy`), once, over the kept copies."""
+        try:
+            with self.presented(kept=True):
+                return copy(*args, **kwargs)
+        finally:
+            self.kept = {}
+
+    def hook(self, shadows, synchronize) -> None:
+        """Megatron-FSDP's copy_main_weights_to_model_weights called outside an update (a load, a conversion
+        tool's install_optimized_model_weights): it reads the masters where they are, each in its model's
+        dtype on the GPU (the same bits, as in the update), never the given-up buffer."""
+        me = weakref.ref(self)
+        for chunk in getattr(self.opt, "model_chunks", None) or ():
+            pgb = getattr(chunk, "param_and_grad_buffer", None)
+            if pgb is None:
+                continue
+            prior = vars(pgb).get("copy_main_weights_to_model_weights")  # whatever was bound there, kept
+            shadows.set(pgb, "copy_main_weights_to_model_weights",
+                        _copy_hook(me, weakref.ref(pgb), synchronize, prior))
+
+    @contextlib.contextmanager
+    def presented(self, kept: bool):
+        """Each group's main-weight buffer presented by its masters: the kept copies of the update (`kept`),
+        else the masters as bound now, cast to their model's dtype on the compute device."""
+        swapped = []
+        try:
+            for f in self.flats:
+                g = f.group
+                if g is None or not f.retired:
+                    continue
+                by_item = {}
+                for item_id, p, _, _ in f.items:
+                    if kept:
+                        out = self.kept.get(id(p))
+                        if out is None:
+                            raise BridgeFGOError(f"{rank_prefix()}internal: a master of Megatron-FSDP's optimizer "
+                                                 "was not updated by any pass of the streamed step")
+                    else:
+                        out = local(p).reshape(-1).to(device=f.device, dtype=p.orig_param.dtype)
+                    by_item[item_id] = out
+                swapped.append((g, g.main_weight_buffer))
+                g.main_weight_buffer = _Presented(f.mbuf, by_item)
+            yield
+        finally:
+            for g, mbuf in reversed(swapped):
+                g.main_weight_buffer = mbuf
+
+
+def _copy_hook(layout_ref, pgb_ref, synchronize, prior):
+    def copy_main_weights_to_model_weights(*args, **kwargs):
+        layout, pgb = layout_ref(), pgb_ref()
+
+        def real():
+            if prior is not None:
+                return prior(*args, **kwargs)
+            return type(pgb).copy_main_weights_to_model_weights(pgb, *args, **kwargs)
+
+        if layout is None or layout.kept or not any(f.retired for f in layout.flats):
+            return real()  # inside the update's copy (presented there), or nothing moved
+        synchronize()  # the last update's device-to-host copies done: the host masters are whole
+        with layout.presented(kept=False):
+            return real()
+
+    return copy_main_weights_to_model_weights
+
+
+class _Presented:
+    """A main-weight buffer as Megatron-FSDP's copy reads it during the one copy after the update: each
+    item its kept copy (an item with no local elements: an empty tensor), everything else the buffer's."""
+
+    def __init__(self, mbuf, by_item):
+        self._mbuf, self._by_item = mbuf, by_item
+
+    def __getattr__(self, name):
+        return getattr(self._mbuf, name)
+
+    def get_item(self, item_id, only_shard: bool = False):
+        kept = self._by_item.get(item_id)
+        if kept is not None:
+            return kept
+        import torch
+
+        return torch.empty(0, dtype=self._mbuf.dtype, device=self._mbuf.device)
+
+
+def problems(opt) -> List[str]:
+    """What the streamed step cannot serve of this Megatron-FSDP optimizer, each naming the field."""
+    out = []
+    s = strategy(opt)
+    if s not in STRATEGIES:
+        out.append(f"cfg.ddp.data_parallel_sharding_strategy={s!r} with Megatron-FSDP: the streamed step serves "
+                   f"{', '.join(repr(x) for x in STRATEGIES)} (the masters sharded over data-parallel ranks); set "
+                   "one of them, or drop offload")
+    if getattr(getattr(opt, "config", None), "use_precision_aware_optimizer", False):
+        out.append("cfg.optimizer.use_precision_aware_optimizer=True with Megatron-FSDP: not yet served by the "
+                   "streamed step (Transformer Engine holds the masters and reads decoupled gradients); set it to "
+                   "False, or drop offload")
+    return out

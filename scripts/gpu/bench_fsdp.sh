@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Usage (on a two-GPU device, under run_kit.sh --te /tmp/te --logs /tmp/fsdp): scripts/gpu/bench_fsdp.sh GROUP...
+#   learn    Megatron-FSDP (optim_grads_params, data-parallel 2) without offload: the layout before and after
+#            the first step (--dump-layout), bf16 with a save at 4 and a resume from it, FP8 tensorwise, and
+#            Megatron-Core's CPU optimizer beside it (its figures or its failure, as it happens)
+#   bf16     without offload and with the streamed step, three of each interleaved, then a save at 4 and a
+#            resume from it with each
+#   fp8      the same with FP8 tensorwise (current scaling) parameters, one of each and the resume
+#   strategies  optim and optim_grads, without offload and with the streamed step
+# Issue 41's GPU runs: the 887M shape on Transformer Engine's layers and FusedAdam, deterministic_mode. A run
+# is skipped when its JSON exists or fewer than MIN_S seconds remain before DEADLINE_S. Results and logs
+# under /tmp/fsdp; summary.txt: each run's peaks, step and digest per rank.
+set -u
+DEADLINE_S=${DEADLINE_S:-570}
+MIN_S=${MIN_S:-50}
+ITERS=${ITERS:-8}
+R=/tmp/fsdp; CK=/tmp/fsdpck; mkdir -p $R $CK
+source "$(dirname "${BASH_SOURCE[0]}")/deadline_runs.sh"
+T="torchrun --standalone --nproc-per-node 2 scripts/bench_offload.py run --optimizer te --te-spec --deterministic"
+S="--fsdp optim_grads_params"
+base() { local name=$1; shift; run $name env CUDA_VISIBLE_DEVICES=0,1 $T --mode base --iters $ITERS "$@"; }
+fgo() { local name=$1; shift; run $name env CUDA_VISIBLE_DEVICES=0,1 $PATCH $T --mode builtin --iters $ITERS "$@"; }
+for g in "$@"; do
+  case $g in
+    learn)
+      base learn_bf16 $S --dump-layout $R/layout_bf16 --save $CK/learn --save-interval 4
+      [[ -n "${LEARN_RESUME:-}" ]] && base learn_bf16_resume $S --load $CK/learn --ckpt-step 4
+      rm -rf $CK/learn
+      base learn_fp8 $S --fp8 tensorwise --dump-layout $R/layout_fp8
+      run learn_cpu env CUDA_VISIBLE_DEVICES=0,1 $T --mode cpu --iters $ITERS $S ;;
+    bf16)
+      for i in 1 2 3; do base bf16_base_$i $S; fgo bf16_streamed_$i $S; done
+      base bf16_save_base $S --save $CK/bf16_base --save-interval 4
+      fgo bf16_save_streamed $S --save $CK/bf16_streamed --save-interval 4
+      base bf16_resume_base $S --load $CK/bf16_base --ckpt-step 4
+      fgo bf16_resume_streamed $S --load $CK/bf16_streamed --ckpt-step 4
+      rm -rf $CK/bf16_base $CK/bf16_streamed ;;
+    fp8)
+      base fp8_base $S --fp8 tensorwise; fgo fp8_streamed $S --fp8 tensorwise
+      base fp8_save_base $S --fp8 tensorwise --save $CK/fp8_base --save-interval 4
+      fgo fp8_save_streamed $S --fp8 tensorwise --save $CK/fp8_streamed --save-interval 4
+      base fp8_resume_base $S --fp8 tensorwise --load $CK/fp8_base --ckpt-step 4
+      fgo fp8_resume_streamed $S --fp8 tensorwise --load $CK/fp8_streamed --ckpt-step 4
+      rm -rf $CK/fp8_base $CK/fp8_streamed ;;
+    strategies)
+      for s in optim optim_grads; do base ${s}_base --fsdp $s; fgo ${s}_streamed --fsdp $s; done ;;
+    *) echo "unknown group $g" >&2; exit 2 ;;
+  esac
+done
+python3 - "$R" > $R/summary.txt <<'EOF'
+import glob, json, os, sys
+for path in sorted(glob.glob(os.path.join(sys.argv[1], "*.json"))):
+    if "layout_" in path:
+        continue
+    try:
+        s = json.load(open(path))["summary"]
+    except Exception as e:
+        print(os.path.basename(path), "unreadable:", e); continue
+    keys = ("run_peak_gib", "steady_iter_peak_gib", "setup_peak_gib", "first_iter_peak_gib", "resume_peak_gib", "steady_step_median_s", "final_params_sha256", "final_fp8_meta_sha256", "losses")
+    print(os.path.basename(path), json.dumps({k: s.get(k) for k in keys if k in s}))
+EOF
+cat $R/summary.txt
+echo "left: $(left) s"

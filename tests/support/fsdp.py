@@ -1,0 +1,151 @@
+"""Megatron-FSDP's optimizer layout on CPU, as megatron-core 0.19.2 builds it on a GPU (measured on two
+H200s, docs/design.md#megatron-fsdp).
+
+Real parts: megatron_fsdp's ParameterGroup and DataParallelBuffer (the flat buffers, their index and
+get_item), its ParamAndGradBuffer.copy_main_weights_to_model_weights (the master -> model copy, called
+unbound on the stand-in buffer object, which holds only what it reads), Megatron-Core's
+DistributedOptimizer (its FSDP branches of step_with_ready_grads and _copy_main_params_to_model_params),
+torch's DTensor over a one-rank gloo mesh, torch AdamW or the TE FusedAdam stand-in of support/fused_adam.py.
+Stand-ins: the module (Megatron-FSDP's wrapper is CUDA-bound: its hooks gather and reduce on the GPU),
+the gradient reduction (each step's gradients are made up, deterministic, and attached as
+update_main_grads attaches them: fp32 DTensors of their own storage), the optimizer's constructor.
+
+The optimizer's parameters are nn.Parameter(DTensor) whose local tensors are views of each group's
+main-weight buffer; Megatron-FSDP's dist_main_weight holds other DTensors over the same storage.
+"""
+from __future__ import annotations
+
+import types
+
+import torch
+
+from support import harness
+
+SHAPES = (((96, 64), (64,), (32, 64)), ((64, 96), (96,)))  # per Megatron-FSDP parameter group (an FSDP unit)
+
+
+def mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (1,))
+
+
+def _dtensor(local_tensor, shape, m):
+    from torch.distributed.tensor import DTensor, Shard
+
+    return DTensor.from_local(local_tensor.view(shape), m, [Shard(0)], run_check=False, shape=torch.Size(shape),
+                              stride=torch.empty(shape).stride())
+
+
+class Chunk:
+    """A model chunk as the optimizer and train_step reach it: its Megatron-FSDP buffer, zero_grad_buffer and
+    start_param_sync (recorded)."""
+
+    def __init__(self, pgb, events):
+        self.param_and_grad_buffer = pgb
+        self.events = events
+        self.remove_forward_pre_hook_handles = {"hook": object()}
+
+    def zero_grad_buffer(self):
+        self.events.add("zero_grad_buffer")
+
+    def start_param_sync(self, *unused, **kw):
+        self.events.add("start_param_sync")
+
+
+def make_optimizer(events, seed: int = 0, optimizer: str = "torch", strategy: str = "optim_grads_params",
+                   groups: int = 2, shapes=SHAPES, foreach=None, **te_kw):
+    """A real DistributedOptimizer under use_megatron_fsdp with the layout above; returns it (its model chunk
+    in `model_chunks`)."""
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.distributed_data_parallel_config import \
+        DistributedDataParallelConfig
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer import (
+        DataParallelBuffer, ParamAndGradBuffer, ParameterGroup)
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    class StandInFSDPOptimizer(DistributedOptimizer):
+        def __init__(self):  # the real one returns early under Megatron-FSDP, after needing a GPU model
+            self.events = events
+
+        def step_states(self):
+            """Gradients attached as update_main_grads does (fp32 DTensors), then Megatron-Core's real
+            step_with_ready_grads: the inner step, _copy_main_params_to_model_params (Megatron-FSDP's copy),
+            start_param_sync."""
+            for group in self.optimizer.param_groups:
+                for p in group["params"]:
+                    n = p._local_tensor.numel()
+                    g = torch.sin(torch.arange(n, dtype=torch.float32) * 0.37 + self._gen)
+                    p.grad = _dtensor(g.to(torch.bfloat16).float(), tuple(p.shape), self._mesh)
+            self._gen += 1
+            return self.step_with_ready_grads()
+
+    m = mesh()
+    gen = torch.Generator().manual_seed(seed)
+    ddp = DistributedDataParallelConfig(data_parallel_sharding_strategy=strategy)
+    world = torch.distributed.group.WORLD
+    pgroups, named, dist_main_weight, param_to_name = [], [], {}, {}
+    for gi, group_shapes in enumerate(shapes):
+        origs = [torch.nn.Parameter(torch.randn(s, generator=gen).bfloat16()) for s in group_shapes]
+        for i, p in enumerate(origs):
+            param_to_name[p] = f"unit{gi}.p{i}"
+
+        def buf(dtype, distributed=False):
+            b = DataParallelBuffer(ddp, origs, is_data_distributed=distributed, bucket_id=gi, dtype=dtype,
+                                   device=torch.device("cpu"), data_parallel_group=world, dp_rank=0)
+            b.init_data(torch.zeros(b.data_size, dtype=dtype))
+            return b
+
+        wbuf, mbuf, gbuf = buf(torch.bfloat16), buf(torch.float32), buf(torch.bfloat16)
+        for item_id, p in enumerate(origs):
+            wbuf.set_item(item_id, p.data)
+            p.data = wbuf.get_item(item_id).view(p.shape)  # the model weights live in the buffer
+            mbuf.set_item(item_id, p.data.float())
+        pgroups.append(ParameterGroup(params=origs, dtype=torch.bfloat16, model_weight_buffer=wbuf,
+                                      main_weight_buffer=mbuf, main_grad_buffer=gbuf))
+        for item_id, orig in enumerate(origs):
+            name = param_to_name[orig]
+            dist = _dtensor(mbuf.get_item(item_id), tuple(orig.shape), m)
+            dist_main_weight[name] = dist
+            p = torch.nn.Parameter(dist)  # a new DTensor over the same local storage, as Megatron-FSDP makes it
+            p.orig_param = orig
+            named.append((name, p))
+    class Buffer:  # what of a ParamAndGradBuffer the optimizer and its copy read; the copy is the real method
+        copy_main_weights_to_model_weights = ParamAndGradBuffer.copy_main_weights_to_model_weights
+
+    pgb = Buffer()
+    pgb.parameter_groups, pgb.optimizer_named_parameters = pgroups, named
+    pgb.dist_main_weight, pgb.param_to_name = dist_main_weight, param_to_name
+    chunk = Chunk(pgb, events)
+    params = [p for _, p in named]
+    param_groups = [{"params": params[i::groups], "wd_mult": 1.0 / (i + 1)} for i in range(groups)]
+    opt = StandInFSDPOptimizer()
+    opt.optimizer = harness._inner_optimizer(optimizer, param_groups, foreach, False, te_kw)
+    ns = types.SimpleNamespace
+    opt.config = ns(timers=None, reuse_grad_buf_for_mxfp8_param_ag=False, barrier_with_L1_time=False,
+                    use_precision_aware_optimizer=False, use_precision_aware_optimizer_no_fp8_or_ds_fp8=False)
+    opt.ddp_config = ns(overlap_param_gather=True, use_megatron_fsdp=True, fp8_param_gather=False,
+                        fp4_param_gather=False, data_parallel_sharding_strategy=strategy)
+    opt.model_chunks = [chunk]
+    opt.is_stub_optimizer = False
+    opt.with_tensors = True
+    opt._gen, opt._mesh = 0, m
+    return opt
+
+
+def snapshot(opt) -> dict:
+    """Every value the step writes: masters, states (local tensors), model weights, step counts."""
+    out = {}
+    inner = opt.optimizer
+    for gi, g in enumerate(inner.param_groups):
+        out[f"group{gi}"] = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in g.items() if k != "params"}
+        for pi, p in enumerate(g["params"]):
+            out[f"master{gi}.{pi}"] = p._local_tensor.detach().clone().cpu()
+            for key, value in inner.state.get(p, {}).items():
+                t = getattr(value, "_local_tensor", value)
+                out[f"state{gi}.{pi}.{key}"] = t.detach().clone().cpu() if isinstance(t, torch.Tensor) else t
+    for chunk in opt.model_chunks:
+        for gi, g in enumerate(chunk.param_and_grad_buffer.parameter_groups):
+            out[f"weights{gi}"] = g.model_weight_buffer.data.clone()
+            for pi, p in enumerate(g.params):
+                out[f"model{gi}.{pi}"] = p.detach().clone()
+    return out

@@ -1,0 +1,266 @@
+"""Megatron-FSDP under the streamed step (bridge_fgo/engine/fsdp.py), on CPU: the layout as megatron-core
+0.19.2 builds it (tests/support/fsdp.py says which parts are real and which are stand-ins), stepped through
+Megatron-Core's own DistributedOptimizer FSDP branches, against the same optimizer without offload.
+On GPUs: scripts/gpu/bench_fsdp.sh."""
+import pytest
+import torch
+
+import bridge_fgo
+from bridge_fgo.engine import fsdp as engine_fsdp
+from bridge_fgo.engine.streamed import StreamedEngine
+from bridge_fgo.errors import BridgeFGOConfigError
+from support import fsdp, harness
+
+OPTIMIZERS = {"torch": dict(optimizer="torch"), "torch-for-loop": dict(optimizer="torch", foreach=False),
+              "te": dict(optimizer="te")}
+
+
+@pytest.fixture
+def gloo():
+    with harness.model_parallel():
+        yield
+
+
+def step(opt, engine=None):
+    if engine is not None:
+        engine.offload()
+        engine.release()
+        engine.reload()
+    try:
+        opt.step_states()
+    finally:
+        if engine is not None:
+            engine.settle()
+            engine.synchronize()
+
+
+def assert_same(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        if isinstance(a[k], torch.Tensor):
+            assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+        elif isinstance(a[k], dict):
+            assert_same(a[k], b[k])
+        else:
+            assert a[k] == b[k], k
+
+
+@pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("chunk_bytes", [40_000, 1 << 30])
+def test_bit_identical_to_megatron_fsdp_without_offload(gloo, kind, chunk_bytes):
+    ref = fsdp.make_optimizer(harness.Recorder(), **OPTIMIZERS[kind])
+    opt = fsdp.make_optimizer(harness.Recorder(), **OPTIMIZERS[kind])
+    engine = StreamedEngine([opt], chunk_bytes)
+    engine.prepare()
+    assert engine.plan.parts[0].fsdp is not None
+    if chunk_bytes < 1 << 20:
+        assert len(engine.chunks) > 2  # several passes, each its own parameters
+    for _ in range(3):
+        step(ref)
+        step(opt, engine)
+        assert_same(fsdp.snapshot(ref), fsdp.snapshot(opt))
+    engine.close()
+    assert_same(fsdp.snapshot(ref), fsdp.snapshot(opt))
+
+
+def test_between_steps_the_flat_masters_are_given_up_and_everything_is_on_the_host(gloo):
+    opt = fsdp.make_optimizer(harness.Recorder())
+    pgb = opt.model_chunks[0].param_and_grad_buffer
+    flats = [g.main_weight_buffer.data for g in pgb.parameter_groups]
+    before = {id(p): p._local_tensor.clone() for g in opt.optimizer.param_groups for p in g["params"]}
+    engine = StreamedEngine([opt], 40_000)
+    engine.prepare()
+    step(opt, engine)
+    buf = engine.buffer.tensor
+    lo, hi = buf.data_ptr(), buf.data_ptr() + buf.numel()
+    for g in pgb.parameter_groups:
+        assert g.main_weight_buffer.data.device.type == "meta"  # a read fails loudly
+    for name, dist in pgb.dist_main_weight.items():  # Megatron-FSDP's own DTensors share the rebinding
+        assert dist._local_tensor is dict(pgb.optimizer_named_parameters)[name]._local_tensor
+    for g in opt.optimizer.param_groups:
+        for p in g["params"]:
+            assert lo <= p._local_tensor.data_ptr() < hi
+            for value in opt.optimizer.state[p].values():
+                if isinstance(value, torch.Tensor) and value.dim():
+                    assert type(value).__name__ == "DTensor"  # the DTensor stays, its local is the host view
+                    assert lo <= value._local_tensor.data_ptr() < hi
+    del flats
+    engine.close()  # unpatch: the buffers made again, the masters views of them as Megatron-FSDP laid them out
+    for g in pgb.parameter_groups:
+        data = g.main_weight_buffer.data
+        assert data.device.type == "cpu"
+        for item_id, orig in enumerate(g.params):
+            p = next(q for _, q in pgb.optimizer_named_parameters if q.orig_param is orig)
+            assert p._local_tensor.data_ptr() == g.main_weight_buffer.get_item(item_id).data_ptr()
+            assert not torch.equal(p._local_tensor, before[id(p)])  # the step's values, not the old ones
+
+
+def test_megatron_fsdp_copy_runs_once_after_the_last_chunk(gloo, mocker):
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer import ParamAndGradBuffer
+
+    opt = fsdp.make_optimizer(harness.Recorder())
+    pgb = opt.model_chunks[0].param_and_grad_buffer
+    calls = []
+    real = ParamAndGradBuffer.copy_main_weights_to_model_weights
+
+    def counted(self):
+        calls.append([type(g.main_weight_buffer).__name__ for g in self.parameter_groups])
+        return real(self)
+
+    mocker.patch.object(type(pgb), "copy_main_weights_to_model_weights", counted)
+    engine = StreamedEngine([opt], 40_000)
+    engine.prepare()
+    step(opt, engine)
+    assert len(engine.chunks) > 2 and len(calls) == 1  # one call for every chunk
+    assert set(calls[0]) == {"_Presented"}  # each group's buffer presented by the kept copies
+    assert all(type(g.main_weight_buffer).__name__ == "DataParallelBuffer" for g in pgb.parameter_groups)
+    assert opt.events.count("start_param_sync") == 1
+
+
+def test_problems_name_the_field(gloo):
+    opt = fsdp.make_optimizer(harness.Recorder(), strategy="no_shard")
+    (p,) = engine_fsdp.problems(opt)
+    assert "data_parallel_sharding_strategy='no_shard'" in p
+    opt = fsdp.make_optimizer(harness.Recorder())
+    opt.config.use_precision_aware_optimizer = True
+    (p,) = engine_fsdp.problems(opt)
+    assert "use_precision_aware_optimizer=True" in p
+
+
+@pytest.mark.parametrize("kind", ["torch", "te"])
+def test_a_load_writes_into_the_host_views_and_no_dummy_step_runs(gloo, kind):
+    """What an fsdp_dtensor resume does to the optimizer: Megatron-Core's _init_optimizer_states_with_dummy_values
+    (served by making the states in their host views, never by a step on the host), the masters and the
+    model weights written in place, the inner load_state_dict; then the run goes on as the saved one did."""
+    ref = fsdp.make_optimizer(harness.Recorder(), **OPTIMIZERS[kind])
+    for _ in range(2):
+        step(ref)
+    saved = {"state": ref.optimizer.state_dict(), **fsdp.snapshot(ref)}
+    saved["state"] = {"state": {k: {n: (v.clone() if isinstance(v, torch.Tensor) else v)  # DTensors, as DCP loads
+                                    for n, v in s.items()} for k, s in saved["state"]["state"].items()},
+                      "param_groups": saved["state"]["param_groups"]}
+    opt = fsdp.make_optimizer(harness.Recorder(), seed=1, **OPTIMIZERS[kind])
+    engine = StreamedEngine([opt], 40_000)
+    engine.prepare()
+    masters = [p._local_tensor.clone() for g in opt.optimizer.param_groups for p in g["params"]]
+    opt._init_optimizer_states_with_dummy_values()
+    after = [p._local_tensor for g in opt.optimizer.param_groups for p in g["params"]]
+    assert all(torch.equal(a, b) for a, b in zip(masters, after))  # no step over zero gradients moved them
+    buf = engine.buffer.tensor
+    lo, hi = buf.data_ptr(), buf.data_ptr() + buf.numel()
+    for g in opt.optimizer.param_groups:
+        for p in g["params"]:
+            assert {k for k, v in opt.optimizer.state[p].items() if getattr(v, "dim", lambda: 0)()} >= {"exp_avg",
+                                                                                                       "exp_avg_sq"}
+            assert all(lo <= v._local_tensor.data_ptr() < hi for v in opt.optimizer.state[p].values()
+                       if type(v).__name__ == "DTensor")
+    # the load: masters and weights in place, then the optimizer's own load_state_dict
+    for gi, g in enumerate(opt.optimizer.param_groups):
+        for pi, p in enumerate(g["params"]):
+            p._local_tensor.copy_(saved[f"master{gi}.{pi}"])
+    for gi, g in enumerate(opt.model_chunks[0].param_and_grad_buffer.parameter_groups):
+        g.model_weight_buffer.data.copy_(saved[f"weights{gi}"])
+    opt.optimizer.load_state_dict(saved["state"])
+    engine.after_load()
+    opt._gen = ref._gen  # the data goes on where the saved run was
+    assert engine.plan.on_host()
+    for _ in range(2):
+        step(ref)
+        step(opt, engine)
+        assert_same(fsdp.snapshot(ref), fsdp.snapshot(opt))
+    engine.close()
+
+
+def fsdp_rig(**kw):
+    cfg = harness.config_container(mxfp8_copy=False)
+    cfg.ddp.use_megatron_fsdp = True
+    cfg.ddp.data_parallel_sharding_strategy = kw.pop("strategy", "optim_grads_params")
+    rig = harness.Rig(cfg=cfg)
+    opt = fsdp.make_optimizer(rig.events, strategy=cfg.ddp.data_parallel_sharding_strategy, **kw)
+    rig.dist_optimizer = opt
+    rig.optimizer = harness.ChainedOptimizer([opt], rig.events)
+    rig.model = opt.model_chunks
+    rig.model[0].config = rig.model_config
+    return rig
+
+
+def test_through_bridges_train_step_bit_identical_and_said(gloo, caplog_fgo):
+    ref = fsdp_rig()
+    harness.run_steps(ref, steps=3)
+    bridge_fgo.patch(offload="builtin", chunk_mb=1)
+    rig = fsdp_rig()
+    harness.run_steps(rig, steps=3)
+    bridge_fgo.synchronize()  # a direct reader: the last update's device-to-host copies done first
+    assert_same(fsdp.snapshot(ref.dist_optimizer), fsdp.snapshot(rig.dist_optimizer))
+    (session,) = bridge_fgo.status().sessions
+    assert session["steps"] == 3 and session["states_on"] == "host"
+    assert any("under Megatron-FSDP, optim_grads_params (2 main-weight buffer(s))" in i
+               for i in session["inner_optimizers"])
+    assert any("offload active" in r.getMessage() and "under Megatron-FSDP, optim_grads_params" in r.getMessage()
+               for r in caplog_fgo.records)
+    bridge_fgo.unpatch()
+    assert_same(fsdp.snapshot(ref.dist_optimizer), fsdp.snapshot(rig.dist_optimizer))
+
+
+REFUSED = [
+    (dict(chunk_mb=0), {}, "offload='builtin' with chunk_mb > 0"),
+    ({}, {"logger.log_params_norm": True}, "cfg.logger.log_params_norm=True with Megatron-FSDP"),
+    ({}, {"model.qk_clip": True}, "cfg.model.qk_clip=True with Megatron-FSDP"),
+    ({}, {"checkpoint": "async"}, "cfg.checkpoint.async_save=True with Megatron-FSDP"),
+    ({}, {"strategy": "no_shard"}, "data_parallel_sharding_strategy='no_shard'"),
+    ({}, {"precision_aware": True}, "use_precision_aware_optimizer=True with Megatron-FSDP"),
+]
+
+
+@pytest.mark.parametrize("options,change,needle", REFUSED, ids=[r[2][:40] for r in REFUSED])
+def test_what_the_streamed_step_cannot_serve_is_refused_before_the_first_step(gloo, options, change, needle):
+    import types
+
+    rig = fsdp_rig(strategy=change.get("strategy", "optim_grads_params"))
+    if change.get("precision_aware"):
+        rig.cfg.optimizer.use_precision_aware_optimizer = True
+        rig.dist_optimizer.config.use_precision_aware_optimizer = True
+    if change.get("logger.log_params_norm"):
+        rig.cfg.logger = types.SimpleNamespace(log_params_norm=True)
+    if change.get("model.qk_clip"):
+        rig.cfg.model.qk_clip = True
+    if change.get("checkpoint"):
+        rig.cfg.checkpoint = types.SimpleNamespace(save="/tmp/x", save_optim=True, async_save=True,
+                                                   ckpt_format="fsdp_dtensor", load=None)
+    bridge_fgo.patch(offload="builtin", **options)
+    before = fsdp.snapshot(rig.dist_optimizer)
+    with pytest.raises(BridgeFGOConfigError) as err:
+        harness.run_steps(rig, steps=1)
+    assert needle in str(err.value)
+    assert rig.events == []  # nothing touched
+    assert_same(before, fsdp.snapshot(rig.dist_optimizer))
+
+
+def test_fsdp_dtensor_checkpoints_are_not_refused(gloo):
+    import types
+
+    rig = fsdp_rig()
+    rig.cfg.checkpoint = types.SimpleNamespace(save="/tmp/x", save_optim=True, async_save=False,
+                                               ckpt_format="fsdp_dtensor", load=None)
+    bridge_fgo.patch(offload="builtin", chunk_mb=1)
+    harness.run_steps(rig, steps=1)
+    assert bridge_fgo.status().sessions[0]["steps"] == 1
+
+
+def test_megatron_fsdp_copy_outside_an_update_reads_the_host_masters(gloo):
+    """After a load, or from a conversion tool: copy_main_weights_to_model_weights with the buffers given up
+    reads each master where it is, in its model's dtype: the same weights as from the buffer itself."""
+    ref = fsdp.make_optimizer(harness.Recorder())
+    opt = fsdp.make_optimizer(harness.Recorder())
+    engine = StreamedEngine([opt], 40_000)
+    engine.prepare()
+    for o in (ref, opt):
+        for g in o.optimizer.param_groups:
+            for p in g["params"]:
+                p._local_tensor.mul_(1.5)  # what a load writes into the masters
+        o.model_chunks[0].param_and_grad_buffer.copy_main_weights_to_model_weights()
+    assert_same(fsdp.snapshot(ref), fsdp.snapshot(opt))
+    pgb = opt.model_chunks[0].param_and_grad_buffer
+    hooked = pgb.copy_main_weights_to_model_weights
+    engine.close()
+    assert pgb.copy_main_weights_to_model_weights is not hooked  # put back as it was
