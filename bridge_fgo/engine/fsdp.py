@@ -65,10 +65,13 @@ def _buffers(pgb):
 class Flat:
     """One parameter group's main-weight buffer and the masters that are views of it."""
 
-    def __init__(self, group, mbuf, items):
+    def __init__(self, group, mbuf, items, empties=()):
         self._group = weakref.ref(group)
         self.mbuf = mbuf
         self.items = items  # [(item_id, optimizer parameter, element offset in the flat, local shape)]
+        # parameters with no elements on this rank whose empty local tensor is still a view of the flat:
+        # rebound to an empty tensor of their own when it is given up, so they do not keep it alive
+        self.empties = list(empties)
         data = mbuf.data
         self.dtype, self.numel, self.device = data.dtype, data.numel(), data.device
         self.retired = False
@@ -105,14 +108,16 @@ class Layout:
                 data = getattr(mbuf, "data", None)
                 if mbuf is None or data is None or data.device.type == "meta":
                     continue
-                items = []
+                items, empties = [], []
                 base = data.data_ptr()
                 for item_id, orig in enumerate(g.params):
                     p = self.by_orig.get(id(orig))
                     if p is None or id(p) not in inner_ids:
                         continue
                     lt = local(p)
-                    if lt.numel() == 0:
+                    if lt.numel() == 0:  # all of it on other ranks (the flat is sharded, not each parameter)
+                        if lt.untyped_storage().data_ptr() == data.untyped_storage().data_ptr():
+                            empties.append(p)
                         continue
                     if lt.untyped_storage().data_ptr() != data.untyped_storage().data_ptr():
                         raise BridgeFGOError(
@@ -121,7 +126,7 @@ class Layout:
                             "(an unknown Megatron-FSDP layout). Nothing was moved. Fix: drop offload, or report "
                             "the megatron-core version")
                     items.append((item_id, p, (lt.data_ptr() - base) // lt.element_size(), tuple(lt.shape)))
-                self.flats.append(Flat(g, mbuf, items))
+                self.flats.append(Flat(g, mbuf, items, empties))
 
     @property
     def opt(self):
@@ -164,6 +169,8 @@ class Layout:
             if any(local(p).untyped_storage().data_ptr() == key for _, p, _, _ in f.items):
                 continue
             old = f.mbuf.data
+            for p in f.empties:
+                local(p).data = torch.empty(local(p).shape, dtype=old.dtype, device=old.device)
             f.mbuf.data = torch.empty(old.shape, dtype=old.dtype, device="meta")
             f.retired = True
             # uses of the storage beside `old` and the storage object this call makes

@@ -56,6 +56,8 @@ def bundle_of(part: int, group_index: int, p, group, inner, contract: Contract, 
     exist is predicted by the optimizer's contract."""
     entries = []
     lp = local(p)  # the memory of a DTensor parameter (Megatron-FSDP): its local tensor, the master itself
+    if lp.numel() == 0:  # no elements on this rank (Megatron-FSDP shards each group's flat): nothing moves
+        return Bundle(part, group_index, p, entries)
     if moves_master:
         entries.append(Entry(MASTER, lp, None, tuple(lp.shape), lp.dtype, nbytes_of(lp)))
     state = inner.state.get(p) or {}

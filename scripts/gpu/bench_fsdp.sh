@@ -6,6 +6,8 @@
 #   bf16     without offload and with the streamed step, three of each interleaved, then a save at 4 and a
 #            resume from it with each
 #   fp8      the same with FP8 tensorwise (current scaling) parameters, one of each and the resume
+#   final    bf16 with and without (each saving at 4, then resumed from it) and FP8 tensorwise with and without:
+#            what one call of at most 10 minutes holds
 #   strategies  optim and optim_grads, without offload and with the streamed step
 # Issue 41's GPU runs: the 887M shape on Transformer Engine's layers and FusedAdam, deterministic_mode. A run
 # is skipped when its JSON exists or fewer than MIN_S seconds remain before DEADLINE_S. Results and logs
@@ -42,6 +44,14 @@ for g in "$@"; do
       base fp8_resume_base $S --fp8 tensorwise --load $CK/fp8_base --ckpt-step 4
       fgo fp8_resume_streamed $S --fp8 tensorwise --load $CK/fp8_streamed --ckpt-step 4
       rm -rf $CK/fp8_base $CK/fp8_streamed ;;
+    final)  # what one device call holds: bf16 fresh (saving at 4) and resumed, with and without, then FP8
+      fgo bf16_save_streamed $S --save $CK/bf16_streamed --save-interval 4
+      base bf16_save_base $S --save $CK/bf16_base --save-interval 4
+      fgo bf16_resume_streamed $S --load $CK/bf16_streamed --ckpt-step 4
+      base bf16_resume_base $S --load $CK/bf16_base --ckpt-step 4
+      rm -rf $CK/bf16_base $CK/bf16_streamed
+      fgo fp8_streamed $S --fp8 tensorwise
+      base fp8_base $S --fp8 tensorwise ;;
     strategies)
       for s in optim optim_grads; do base ${s}_base --fsdp $s; fgo ${s}_streamed --fsdp $s; done ;;
     *) echo "unknown group $g" >&2; exit 2 ;;
@@ -59,5 +69,7 @@ for path in sorted(glob.glob(os.path.join(sys.argv[1], "*.json"))):
     keys = ("run_peak_gib", "steady_iter_peak_gib", "setup_peak_gib", "first_iter_peak_gib", "resume_peak_gib", "steady_step_median_s", "final_params_sha256", "final_fp8_meta_sha256", "losses")
     print(os.path.basename(path), json.dumps({k: s.get(k) for k in keys if k in s}))
 EOF
+# the host link, for the overhead's bound: pinned copies each way on GPU 0
+python3 -c "import sys, json; sys.path.insert(0, 'scripts'); import bench_run; print('bandwidth', json.dumps(bench_run.bandwidth()))" >> $R/summary.txt 2>&1
 cat $R/summary.txt
 echo "left: $(left) s"

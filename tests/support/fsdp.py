@@ -22,6 +22,9 @@ import torch
 from support import harness
 
 SHAPES = (((96, 64), (64,), (32, 64)), ((64, 96), (96,)))  # per Megatron-FSDP parameter group (an FSDP unit)
+# a parameter with no elements on this rank (Megatron-FSDP shards each group's flat, not each parameter): its
+# local tensor is an empty view of the flat, as on rank 1 of two for a parameter wholly in rank 0's shard
+EMPTY_SHAPES = (((96, 64), (0, 64), (32, 64)), ((64, 96), (96,)))
 
 
 def mesh():
@@ -74,6 +77,9 @@ def make_optimizer(events, seed: int = 0, optimizer: str = "torch", strategy: st
             for group in self.optimizer.param_groups:
                 for p in group["params"]:
                     n = p._local_tensor.numel()
+                    if n == 0:  # update_main_grads: a parameter with no elements on this rank gets none
+                        p.grad = None
+                        continue
                     g = torch.sin(torch.arange(n, dtype=torch.float32) * 0.37 + self._gen)
                     p.grad = _dtensor(g.to(torch.bfloat16).float(), tuple(p.shape), self._mesh)
             self._gen += 1

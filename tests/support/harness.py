@@ -216,12 +216,16 @@ def _inner_optimizer(kind, param_groups, foreach, precision_aware, te_kw):
 def _no_released_storage(inner, params_by_group):
     """Every update, whole or one pass of it, reads only whole storage: the parameters it steps and
     their states."""
+    def whole(t):  # a DTensor's memory is its local tensor's; one with no elements needs none
+        t = getattr(t, "_local_tensor", t)
+        return t.numel() == 0 or t.untyped_storage().nbytes() > 0
+
     for params in params_by_group.values():
         for p in params:
-            assert p.untyped_storage().nbytes() > 0, "the optimizer step read a released parameter"
+            assert whole(p), "the optimizer step read a released parameter"
             for v in inner.state.get(p, {}).values():
                 if v.dim():
-                    assert v.untyped_storage().nbytes() > 0, "the optimizer step read a released state"
+                    assert whole(v), "the optimizer step read a released state"
 
 
 @contextlib.contextmanager
