@@ -52,6 +52,11 @@ for g in "$@"; do
       rm -rf $CK/bf16_base $CK/bf16_streamed
       fgo fp8_streamed $S --fp8 tensorwise
       base fp8_base $S --fp8 tensorwise ;;
+    streamed)  # final's runs with the streamed step only (a second call, its baselines from the first)
+      fgo bf16_save_streamed $S --save $CK/bf16_streamed --save-interval 4
+      fgo bf16_resume_streamed $S --load $CK/bf16_streamed --ckpt-step 4
+      rm -rf $CK/bf16_streamed
+      fgo fp8_streamed $S --fp8 tensorwise ;;
     strategies)
       for s in optim optim_grads; do base ${s}_base --fsdp $s; fgo ${s}_streamed --fsdp $s; done ;;
     *) echo "unknown group $g" >&2; exit 2 ;;
