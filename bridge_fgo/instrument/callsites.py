@@ -309,7 +309,10 @@ class CallSites:
         buffers = [b for s in sessions for b in s.adapter.host_buffers()]
         saves.finish_pending(state, sum(b.nbytes for b in buffers if not b.freed))  # one snapshot at a time
         watch = saves.Watch(buffers, [t for s in sessions for t in s.adapter.host_tensors()])
-        result = wrapped(*args, **kwargs)
+        with contextlib.ExitStack() as stack:  # the writer handed each session's kept snapshot, where it has one
+            for session in sessions:
+                stack.enter_context(session.adapter.saving())
+            result = wrapped(*args, **kwargs)
         watch.after(state)
         return result
 
