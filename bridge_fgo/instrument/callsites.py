@@ -245,9 +245,7 @@ class CallSites:
         result = construction.build_on_host(wrapped, args, kwargs, first_chunk_mb(self.options.chunk_mb) * MIB, built)
         peaks.note("optimizer construction")
         if built.masters:
-            logger.info("%sfp32 masters made on the host: %d master(s), %d bytes, in %d batch(es) of at most %d "
-                        "bytes on the GPU", rank_prefix(), built.masters, built.bytes, built.batches,
-                        built.largest_batch)
+            logger.info("%sfp32 masters made on the host: %s", rank_prefix(), built.describe())
         return result
 
     def build_whole_masters(self, name, wrapped, instance, args, kwargs):
