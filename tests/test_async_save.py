@@ -495,7 +495,7 @@ def test_the_host_memory_check_counts_the_snapshot(monkeypatch, tmp_path, caplog
     assert pinned == engine.pinned_bytes > 0 and kw == {"snapshot_per_rank": pinned, "snapshot_in_shm": persistent,
                                                        "load_per_rank": 0}
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("[rank 0] host memory:")]
-    assert f"+ {hostmem.fmt_bytes(pinned)} per rank while an asynchronous checkpoint save is written" in line
+    assert f"+ {hostmem.fmt_bytes(pinned)} per rank for asynchronous checkpoint saves (the snapshot" in line
     assert ("/dev/shm" in line) == persistent
 
 

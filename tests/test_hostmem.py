@@ -244,8 +244,8 @@ def test_an_asynchronous_saves_snapshot_counts_on_top_of_the_pinned_bytes(tmp_pa
     fit = hostmem.check_fits(5 * GiB, snapshot_per_rank=5 * GiB, ranks=9, root=str(tmp_path))
     assert (fit.fits, fit.needed, fit.snapshot_per_rank, fit.shm_available) == (True, 90 * GiB, 5 * GiB, None)
     line = fit.describe()
-    assert "5.00 GiB (5368709120 bytes) pinned per rank + 5.00 GiB (5368709120 bytes) per rank while an " \
-           "asynchronous checkpoint save is written" in line and "= 90.00 GiB" in line and "/dev/shm" not in line
+    assert "5.00 GiB (5368709120 bytes) pinned per rank + 5.00 GiB (5368709120 bytes) per rank for " \
+           "asynchronous checkpoint saves (the snapshot" in line and "= 90.00 GiB" in line and "/dev/shm" not in line
     with pytest.raises(BridgeFGOConfigError) as exc:
         hostmem.check_fits(5 * GiB, snapshot_per_rank=5 * GiB, ranks=10, root=str(tmp_path))
     msg = str(exc.value)
