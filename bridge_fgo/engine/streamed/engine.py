@@ -139,7 +139,7 @@ class StreamedEngine:
         self.readers.hook_loads()
         self.head.attach()
         self._note_setup_peak()
-        self.snapshot.allocate()
+        self.snapshot.allocate(fault=not self.defer_pinning)  # beside a load: faulted in after it
         if t.copies.device_copies:
             if t.buffer.pending:
                 self._warm_pending = True  # after the load (after_load), once the registration is through
@@ -155,6 +155,7 @@ class StreamedEngine:
     def after_load(self) -> None:
         if self.transfers.buffer is not None:
             self.transfers.ready()
+            self.snapshot.fault_in()
             if self._warm_pending:
                 self._warm_pending = False
                 self.transfers.warm()

@@ -56,6 +56,7 @@ class Snapshot:
         self.fault_s = 0.0    # the background fault-in's own time
         self.copy_s: List[float] = []  # each save's copy into the snapshot
         self.served = 0       # tensors handed to the writer from the snapshot, last save
+        self._unfaulted = False  # allocated, its fault-in not started yet
         self._taken = False   # copied for the save in progress
 
     @property
@@ -63,9 +64,10 @@ class Snapshot:
         return bool(self.tensors)
 
     # -- made once ---------------------------------------------------------------------------------
-    def allocate(self) -> None:
+    def allocate(self, fault: bool = True) -> None:
         """One tensor per streamed entry (route shm: its own shared storage), faulted in by a background
-        thread; nothing when no route is set. A snapshot that cannot be made is said once, and the
+        thread (`fault`; otherwise at fault_in(): not beside a checkpoint load's reads, which fault pages
+        in too); nothing when no route is set. A snapshot that cannot be made is said once, and the
         writers' own copies serve the saves as before."""
         if self.route is None or self.tensors:
             return
@@ -93,15 +95,24 @@ class Snapshot:
                  "fresh pages: a longer stall)", rank_prefix(), why)
             return
         self.nbytes = sum(e.nbytes for e, _ in self.tensors.values())
-        storages = [t for _, t in self.tensors.values()]
-        self._faulting = threading.Thread(target=self._fault_in, args=(storages,), name="bridge_fgo-snapshot",
-                                          daemon=True)
-        self._faulting.start()
+        self._unfaulted = True
+        if fault:
+            self.fault_in()
         logger.info("%sasynchronous checkpoint saves: a snapshot of the host states kept for the run, %d tensor(s), "
                     "%s in %s, its pages faulted in by a background thread; each save copies the states into it "
                     "once and hands it to the writer, which neither clones nor moves it", rank_prefix(),
                     len(self.tensors), fmt_bytes(self.nbytes),
                     "/dev/shm (shared memory)" if self.route == SHM else "this process's memory")
+
+    def fault_in(self) -> None:
+        """The snapshot's pages faulted in by a background thread, once."""
+        if not self.tensors or not self._unfaulted:
+            return
+        self._unfaulted = False
+        storages = [t for _, t in self.tensors.values()]
+        self._faulting = threading.Thread(target=self._fault_in, args=(storages,), name="bridge_fgo-snapshot",
+                                          daemon=True)
+        self._faulting.start()
 
     def _fault_in(self, tensors) -> None:
         t0 = time.perf_counter()
@@ -136,7 +147,7 @@ class Snapshot:
         if self._faulting is not None:
             self._faulting.join()
             self._faulting = None
-        self.tensors, self.nbytes, self._taken = {}, 0, False
+        self.tensors, self.nbytes, self._taken, self._unfaulted = {}, 0, False, False
 
     # -- each save -----------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -180,6 +191,7 @@ class Snapshot:
         The last update's copies were waited for before (the save's readers' guards)."""
         if self._taken or not self.tensors:
             return
+        self.fault_in()  # (a load's after_load starts it; here only if nothing did)
         if self._faulting is not None:
             self._faulting.join()
             self._faulting = None
