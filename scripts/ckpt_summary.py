@@ -98,7 +98,8 @@ def ratio_line(name, base, ours, limit=TARGET):
 KEYS = (("setup_s", "model-and-optimizer setup"), ("setup_pin_s", "  of which pinning (landing block)"),
         ("load_s", "load"), ("load_pin_s", "  of which pinning beside the load (waited)"),
         ("first_after_load_s", "first iteration after the load"), ("steady_s", "steady step"),
-        ("async_first_s", "async save stall, first"), ("async_next_s", "async save stall, the next (finishes the first)"),
+        ("async_first_s", "async save stall, first"),
+        ("async_next_s", "async save stall, the next (finishes the first)"),
         ("sync_save_s", "sync save"), ("rss_peak_gib", "host RSS peak"), ("shm_max_gib", "/dev/shm at most"))
 
 
@@ -111,7 +112,8 @@ def summarize(results, link_gbs=45.0):
                  for mode in ("base", "builtin")}
         for key, name in KEYS:
             unit = "GiB" if key.endswith("gib") else "s"
-            lines.append(f"{name:48s} base {fmt(stats['base'][key], unit):32s} builtin {fmt(stats['builtin'][key], unit)}")
+            lines.append(f"{name:48s} base {fmt(stats['base'][key], unit):32s} "
+                         f"builtin {fmt(stats['builtin'][key], unit)}")
         base, ours = stats["base"], stats["builtin"]
         checks = []
         for key, name in (("async_first_s", "async stall, first"), ("async_next_s", "async stall, the next"),
@@ -131,8 +133,8 @@ def summarize(results, link_gbs=45.0):
             pin = ours["setup_pin_s"]["median"] if ours["setup_pin_s"] else 0.0
             added = ours["setup_s"]["median"] - base["setup_s"]["median"]
             ok = added <= link_s + pin + 0.05  # 50 ms of timer noise
-            lines.append(f"  setup adds {added:.3f} s; allowed: the masters over the link {link_s:.3f} s (at {link_gbs} "
-                         f"GB/s) + the pinning {pin:.3f} s ({'MET' if ok else 'NOT met'})")
+            lines.append(f"  setup adds {added:.3f} s; allowed: the masters over the link {link_s:.3f} s (at "
+                         f"{link_gbs} GB/s) + the pinning {pin:.3f} s ({'MET' if ok else 'NOT met'})")
             checks.append(ok)
         compare = _compare(results, group)
         lines.append(f"  checkpoints builtin vs base: {compare[0]}")

@@ -112,7 +112,8 @@ def test_the_summary_gives_medians_spread_and_each_target(tmp_path):
     assert "async stall, first: 6.200 / 6.000 s = 1.03x (target <= 1.1x: MET)" in text
     assert "async stall, first: 9.880 / 6.000 s = 1.65x (target <= 1.1x: NOT met)" in text
     assert "load: 15.100 / 10.000 s = 1.51x" in text  # rank 1's
-    assert "setup adds 0.300 s; allowed: the masters over the link 0.100 s (at 45.0 GB/s) + the pinning 0.200 s (MET)" in text
+    assert ("setup adds 0.300 s; allowed: the masters over the link 0.100 s (at 45.0 GB/s) + the pinning 0.200 s "
+            "(MET)") in text
     assert "iteration 4: DIFFER ['optimizer.x']" in text
 
 

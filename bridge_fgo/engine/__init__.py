@@ -58,7 +58,7 @@ class BuiltinAdapter:
         # where an asynchronous checkpoint save's writer copies the host states (instrument/saves.py):
         # None (no such save), "memory" or "shm"; the one window's states are on the GPU between steps
         self.snapshot = snapshot if chunk_mb else None
-        if self.snapshot and keep_snapshot:  # whole host views handed to the writer: one snapshot, kept (streamed/snapshot.py)
+        if self.snapshot and keep_snapshot:  # the writer gets whole host views: a kept snapshot (streamed/snapshot.py)
             self.engine.snapshot.route = self.snapshot
 
     # -- before the first step: check on every rank, agree, then pin (callsites) -----------------

@@ -156,8 +156,8 @@ def _touch_in_threads(ptr: int, nbytes: int, workers: int) -> int:
     slices; how many threads ran."""
     step = -(-nbytes // workers)
     step = -(-step // _TOUCH_ALIGN) * _TOUCH_ALIGN
-    threads = [threading.Thread(target=_touch_range, args=(ptr + s, min(step, nbytes - s)), name=f"bridge_fgo-touch-{i}")
-               for i, s in enumerate(range(0, nbytes, step))]
+    threads = [threading.Thread(target=_touch_range, args=(ptr + s, min(step, nbytes - s)),
+                                name=f"bridge_fgo-touch-{i}") for i, s in enumerate(range(0, nbytes, step))]
     for t in threads:
         t.start()
     for t in threads:

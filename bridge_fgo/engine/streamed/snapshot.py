@@ -240,7 +240,8 @@ class Snapshot:
                 stack.extend(x)
             elif isinstance(x, ShardedTensor):
                 t = x.data
-                hit = by_ptr.get(t.data_ptr()) if getattr(t, "device", None) is not None and t.device.type == "cpu" else None
+                on_host = getattr(t, "device", None) is not None and t.device.type == "cpu"
+                hit = by_ptr.get(t.data_ptr()) if on_host else None
                 if hit is None:
                     continue
                 e, snap = hit
