@@ -89,9 +89,10 @@ def run(args):
     recs, held = [], {}
     inner_step = T.train_step
     saves, finalizes = [], []
-    if args.save:  # each save and each finalize that found one pending, timed on the training thread
-        import bench_saves
+    import bench_saves
 
+    bench_saves.instrument_setup(held)  # Bridge's setup and load timers, bridge_fgo's pinning (issue 43)
+    if args.save:  # each save and each finalize that found one pending, timed on the training thread
         bench_saves.instrument(saves, finalizes)
 
     def measured_step(forward_step_func, data_iterator, model, optimizer, *a, **k):
@@ -280,6 +281,7 @@ def run(args):
         "final_fp8_meta_sha256": meta,
         "sessions": report_holder.get("sessions", []),
     }
+    summary.update(bench_saves.setup_figures(held, recs))
     if args.save:
         summary.update(bench_saves.summarize(recs, saves, finalizes))
     print("SUMMARY " + json.dumps(summary), flush=True)

@@ -14,6 +14,14 @@ entry with the first run's (scripts/check_checkpoint.py), and then removed unles
 iterations right after a save against the steady ones, the host memory, and whether the streamed step's
 asynchronous stall is within the one without offload.
 
+Setup and loads (issue 43, every run; instrument_setup / setup_figures): Bridge's own timers
+"model-and-optimizer-setup" and "load-checkpoint" (Megatron-Core's Timer, whatever it prints), each of
+bridge_fgo's hostmem.pin calls (bytes, seconds, the timer running meanwhile: the construction's landing
+block during setup, the host buffer during a load or at the first step) and each deferred registration
+waited for, the host's RSS and /dev/shm after setup and after the load. BENCH_SYNC_AT=I[,J]: in a run with
+--async-save, the saves at these iterations are synchronous (async_save off for that call only), so one
+run measures both kinds; each save records whether a save was pending when it started.
+
 Importing this module imports neither torch nor Megatron.
 """
 import os
@@ -59,14 +67,26 @@ def instrument(saves, finalizes):
 
     import megatron.bridge.training.checkpointing as ckpt
 
+    sync_at = {int(i) for i in os.environ.get("BENCH_SYNC_AT", "").split(",") if i.strip()}
+
     def timed_save(*args, **kwargs):
         state = args[0] if args else kwargs.get("state")
+        ckpt = getattr(getattr(state, "cfg", None), "checkpoint", None)
+        iteration = getattr(getattr(state, "train_state", None), "step", None)
+        queue = getattr(state, "async_calls_queue", None)
+        pending = queue.get_num_unfinalized_calls() if queue is not None else 0
+        forced = bool(ckpt is not None and ckpt.async_save and iteration in sync_at)
+        if forced:  # this save synchronous: async_save off for the call only (the queue stays as it was)
+            ckpt.async_save = False
         before = host_figures()
         t0 = time.perf_counter()
-        out = save(*args, **kwargs)
-        record = {"iteration": getattr(getattr(state, "train_state", None), "step", None),
-                  "async": bool(getattr(getattr(getattr(state, "cfg", None), "checkpoint", None), "async_save", False)),
-                  "save_s": time.perf_counter() - t0}
+        try:
+            out = save(*args, **kwargs)
+        finally:
+            if forced:
+                ckpt.async_save = True
+        record = {"iteration": iteration, "async": bool(getattr(ckpt, "async_save", False)) and not forced,
+                  "pending_before": pending, "save_s": time.perf_counter() - t0}
         record.update({f"{k}_before": v for k, v in before.items()})
         record.update({f"{k}_after": v for k, v in host_figures().items()})
         saves.append(record)
@@ -92,6 +112,73 @@ def instrument(saves, finalizes):
                 setattr(mod, name, timed)
 
 
+def instrument_setup(held):
+    """Bridge's setup and load timers, bridge_fgo's pinning (held["timers"], held["pins"], held["host"])."""
+    from megatron.core import timers
+
+    held.update(timers={}, pins=[], host={}, running=[])
+    start, stop = timers.Timer.start, timers.Timer.stop
+
+    def timed_start(self, barrier=False):
+        held["running"].append(self.name)
+        return start(self, barrier)
+
+    def timed_stop(self, barrier=False):
+        before = self._elapsed
+        out = stop(self, barrier)
+        held["timers"][self.name] = held["timers"].get(self.name, 0.0) + self._elapsed - before
+        if self.name in held["running"]:
+            held["running"].remove(self.name)
+        if self.name in ("model-and-optimizer-setup", "load-checkpoint"):
+            held["host"][self.name] = host_figures()
+        return out
+
+    timers.Timer.start, timers.Timer.stop = timed_start, timed_stop
+    try:
+        from bridge_fgo import hostmem
+        from bridge_fgo.hostmem import pinning
+    except ImportError:
+        return
+    pin, wait = hostmem.pin, pinning.PinnedHost.wait
+
+    def timed_pin(nbytes, **kw):
+        t0 = time.perf_counter()
+        buf = pin(nbytes, **kw)
+        held["pins"].append({"bytes": nbytes, "pin_s": time.perf_counter() - t0, "deferred": bool(kw.get("defer")),
+                             "during": held["running"][-1] if held["running"] else "first step",
+                             "method": buf.method})
+        return buf
+
+    def timed_wait(self):
+        pending = self.pending
+        out = wait(self)
+        if pending:
+            held["pins"].append({"bytes": self.nbytes, "register_s": self.register_s, "waited_s": self.waited_s,
+                                 "during": held["running"][-1] if held["running"] else "after the load",
+                                 "deferred_wait": True})
+        return out
+
+    hostmem.pin, pinning.PinnedHost.wait = timed_pin, timed_wait
+
+
+def setup_figures(held, recs):
+    """The summary's part about setup and loads."""
+    pins = held.get("pins", [])
+    t = held.get("timers", {})
+    steady = [r["step_s"] for r in recs[1:]]
+    return {
+        "setup_s": t.get("model-and-optimizer-setup"), "load_s": t.get("load-checkpoint"),
+        "pins": pins,
+        "setup_pin_s": sum(p.get("pin_s", 0.0) for p in pins if p["during"] == "model-and-optimizer-setup"),
+        "load_pin_s": sum(p.get("pin_s", 0.0) + p.get("waited_s", 0.0) for p in pins
+                          if p["during"] == "load-checkpoint"),
+        "host_after_setup": held.get("host", {}).get("model-and-optimizer-setup"),
+        "host_after_load": held.get("host", {}).get("load-checkpoint"),
+        "first_iter_after_load_s": recs[0]["step_s"] if recs and t.get("load-checkpoint") is not None else None,
+        "steady_after_first_median_s": statistics.median(steady) if steady else None,
+    }
+
+
 def summarize(recs, saves, finalizes):
     """The summary's part about saves: each save and finalize, the stall, the iterations after a save."""
     saved_at = {s["iteration"] for s in saves}
@@ -100,6 +187,10 @@ def summarize(recs, saves, finalizes):
     return {
         "saves": saves, "finalizes": finalizes,
         "save_stall_median_s": statistics.median(stalls) if stalls else None,
+        # issue 43: the first asynchronous save, the next one (it finishes the first where that is pending),
+        # the synchronous ones (BENCH_SYNC_AT)
+        "async_stalls_s": [s["save_s"] for s in saves if s.get("async")],
+        "sync_saves_s": [s["save_s"] for s in saves if not s.get("async", True)],
         "save_stall_max_s": max(stalls) if stalls else None,
         "after_save_step_median_s": statistics.median(after) if after else None,
         "finalize_wait_max_s": max((f["finalize_s"] for f in finalizes), default=None),

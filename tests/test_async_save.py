@@ -198,6 +198,10 @@ def test_each_writer_captures_inside_the_save_call(writers, megatron_core_for, k
 
 def train(rig, body):
     """bridge_fgo's wrapper of Bridge's train() around `body` (the loop: Bridge's real train_step)."""
+    import importlib
+
+    for name in targets.MODULES:  # the patch applies once every target module is imported (a test run alone)
+        importlib.import_module(name)
     loop = patcher._current.callsites.site(targets.target("train"))
     return loop(body, None, (), {"model": rig.model, "optimizer": rig.optimizer, "global_state": rig.global_state})
 
@@ -346,11 +350,17 @@ def view_writer_save(state, dist_optimizer, path):
     state.async_calls_queue.schedule_async_request(write)
 
 
-def at_iteration_2(megatron_core_for, kind, tmp_path, queue):
+# A run whose writer is handed views of the pinned buffer: no snapshot kept (the engine keeps none where the
+# optimizer state is saved fully_reshardable, whose writer gets gathered copies); the stand-in writers below
+# build the dp_reshardable state dict all the same
+VIEWS = {"dist_ckpt_optim_fully_reshardable": True}
+
+
+def at_iteration_2(megatron_core_for, kind, tmp_path, queue, **ckpt):
     """A run under the streamed step after iteration 2, and its states as a direct reader sees them."""
     setup_kind(megatron_core_for, kind)
     bridge_fgo.patch(offload="builtin", chunk_mb=1)
-    rig = rig_for(kind, tmp_path, queue)
+    rig = rig_for(kind, tmp_path, queue, **ckpt)
     harness.run_steps(rig, steps=2)
     bridge_fgo.synchronize()  # a direct reader of the states waits for the last update's copies
     return rig, snapshot(rig.dist_optimizer)
@@ -369,7 +379,8 @@ def test_a_writer_holding_views_is_finished_before_training_goes_on(megatron_cor
     finishes the save before training goes on, with one WARNING, and the checkpoint is iteration 2's."""
     caplog.set_level("WARNING", logger="bridge_fgo")
     queue = ViewWriterQueue()
-    rig, want = at_iteration_2(megatron_core_for, kind, tmp_path, queue)
+    rig, want = at_iteration_2(megatron_core_for, kind, tmp_path, queue, **VIEWS)
+    assert not engine_of(rig).snapshot.kept
     for _ in range(2):  # one warning per rank, however many saves wait
         save_site()(view_writer_save, None, (rig.global_state, rig.dist_optimizer, tmp_path / "held.pt"), {})
         assert queue.get_num_unfinalized_calls() == 0  # finished inside the save call
@@ -384,7 +395,7 @@ def test_a_writer_holding_views_is_finished_before_training_goes_on(megatron_cor
 def test_without_the_watch_that_writer_would_write_later_states(megatron_core_for, kind, tmp_path):
     """The control: the same writer called without the watch writes what the next updates left."""
     queue = ViewWriterQueue()
-    rig, want = at_iteration_2(megatron_core_for, kind, tmp_path, queue)
+    rig, want = at_iteration_2(megatron_core_for, kind, tmp_path, queue, **VIEWS)
     view_writer_save(rig.global_state, rig.dist_optimizer, tmp_path / "held.pt")  # not through the call site
     harness.run_steps(rig, steps=2)
     queue.maybe_finalize_async_calls(blocking=True)
@@ -398,7 +409,7 @@ def test_a_writer_holding_views_is_seen_with_the_last_updates_copies_still_queue
     setup_kind(megatron_core_for, "torch")
     bridge_fgo.patch(offload="builtin", chunk_mb=1)
     queue = ViewWriterQueue()
-    rig = rig_for("torch", tmp_path, queue)
+    rig = rig_for("torch", tmp_path, queue, **VIEWS)
     harness.run_steps(rig, steps=2)  # no synchronize()
     engine = engine_of(rig)
     assert engine.transfers.tail is not None  # copies in flight as the save begins
@@ -488,7 +499,7 @@ def test_the_host_memory_check_counts_the_snapshot(monkeypatch, tmp_path, caplog
     assert pinned == engine.pinned_bytes > 0 and kw == {"snapshot_per_rank": pinned, "snapshot_in_shm": persistent,
                                                        "load_per_rank": 0}
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("[rank 0] host memory:")]
-    assert f"+ {hostmem.fmt_bytes(pinned)} per rank while an asynchronous checkpoint save is written" in line
+    assert f"+ {hostmem.fmt_bytes(pinned)} per rank for asynchronous checkpoint saves (the snapshot" in line
     assert ("/dev/shm" in line) == persistent
 
 
@@ -530,3 +541,168 @@ def test_async_save_is_served_for_torch_dist_and_the_rest_still_refused(tmp_path
     cfg.checkpoint.dist_ckpt_optim_fully_reshardable = False
     (only,) = refusals.async_checkpoint(cfg, "why")
     assert only.startswith("cfg.checkpoint.async_save=True while optimizer state is saved: why")
+
+
+# -- 7. the snapshot kept for the run (engine/streamed/snapshot.py) ----------------------------------------
+
+def test_a_shared_storage_of_its_own_is_neither_cloned_nor_moved():
+    """What the kept snapshot rests on, in the installed nvidia-resiliency-ext and torch: a CPU tensor owning
+    exactly its shared storage passes the writer's test uncloned, and pickling it for a worker process passes
+    its handle (the storage stays where it is); a view of a larger storage is cloned, its clone moved."""
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing  # noqa: F401  (torch's reductions)
+    from nvidia_resiliency_ext.checkpointing.async_ckpt import filesystem_async
+
+    src = inspect.getsource(filesystem_async.FileSystemWriterAsync.prepare_write_data)
+    assert "untyped_storage().size() != ten.numel() * ten.itemsize" in src and "ten.clone() if is_view" in src
+    own = torch.empty(0).set_(torch.UntypedStorage._new_shared(4096 * 4), 0, (64, 64))
+    ptr = own.untyped_storage().data_ptr()
+    assert own.untyped_storage().size() == own.numel() * own.itemsize  # the writer's test: not a view
+    ForkingPickler.dumps(own)
+    assert own.untyped_storage().data_ptr() == ptr and own.is_shared()
+    view = torch.zeros(8192)[:4096]
+    moved = view.untyped_storage().data_ptr()
+    ForkingPickler.dumps(view)
+    assert view.untyped_storage().data_ptr() != moved  # the whole storage copied into shared memory
+    # the persistent worker drops each request once written: only GPU tensors are cached there
+    worker = inspect.getsource(__import__("nvidia_resiliency_ext.checkpointing.async_ckpt.core", fromlist=["_"])
+                               .PersistentAsyncCaller.async_process_target)
+    assert "del item" in worker and "gc.collect()" in worker
+
+
+def _writer_tensors(monkeypatch):
+    """The CPU tensors each nvidia-resiliency-ext writer passes to its worker, recorded after prepare_write_data."""
+    from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import FileSystemWriterAsync
+
+    seen = []
+    real = FileSystemWriterAsync.prepare_write_data
+
+    def spy(self, plan, planner):
+        real(self, plan, planner)
+        seen.append([t for t in (self.uncached_tensor_data or ((), ()))[1] if isinstance(t, torch.Tensor)])
+    monkeypatch.setattr(FileSystemWriterAsync, "prepare_write_data", spy)
+    return seen
+
+
+@pytest.mark.parametrize("kind", harness.OPTIMIZERS)
+def test_the_writer_is_handed_the_snapshot_made_once(writers, megatron_core_for, kind, tmp_path, monkeypatch):
+    """With Bridge's default writer and persistent worker: the snapshot exists before the first save (made
+    at prepare, faulted in beside training), every save hands the writer its tensors (shared storages of
+    their own: neither cloned nor moved), the same storages at every save, and each checkpoint is its
+    iteration's, equal to a synchronous save."""
+    if WRITER != "nvrx":
+        pytest.skip("megatron-core 0.16 saves only with its own writer")
+    setup_kind(megatron_core_for, kind)
+    seen = _writer_tensors(monkeypatch)
+    bridge_fgo.patch(offload="builtin", chunk_mb=1)
+    queue = writers[WRITER]
+    rig = rig_for(kind, tmp_path, queue)
+    harness.run_steps(rig, steps=1)
+    snap = engine_of(rig).snapshot
+    assert snap.kept and snap.route == "shm" and 0 < snap.nbytes <= engine_of(rig).pinned_bytes  # (less its alignment)
+    made = sorted(t.untyped_storage().data_ptr() for _, t in snap.tensors.values())
+    assert all(t.is_shared() for _, t in snap.tensors.values())
+    for it in (2, 3):
+        harness.run_steps(rig, steps=1)
+        sync_save(rig.dist_optimizer, tmp_path / f"sync{it}")
+        save_site()(bridge_save, None, (rig.global_state, rig.dist_optimizer, tmp_path / f"async{it}", WRITER), {})
+        handed = {t.untyped_storage().data_ptr() for t in seen[-1]}
+        assert snap.served == len(snap.tensors) and set(made) <= handed
+        assert sorted(t.untyped_storage().data_ptr() for _, t in snap.tensors.values()) == made  # not moved
+    harness.run_steps(rig, steps=1)
+    queue.maybe_finalize_async_calls(blocking=True)
+    skip = model_keys(rig.dist_optimizer)
+    for it in (2, 3):
+        assert differing(tmp_path / f"async{it}", tmp_path / f"sync{it}", skip) == []
+    assert not engine_of(rig).buffer.moved()
+
+
+@pytest.mark.parametrize("kind", harness.OPTIMIZERS)
+def test_a_writer_holding_the_snapshot_is_not_waited_for_and_the_next_save_finishes_it_first(
+        megatron_core_for, kind, tmp_path, caplog):
+    """A writer that keeps what it is handed and writes it later: with the snapshot it holds no view of the
+    pinned buffer, so the save is not finished inside the call (no stall), and the next updates do not reach
+    what it writes; the next save finishes it before rewriting the snapshot. Without that finish it would
+    write the next save's values (the control, below)."""
+    caplog.set_level("WARNING", logger="bridge_fgo")
+    queue = ViewWriterQueue()
+    rig, want2 = at_iteration_2(megatron_core_for, kind, tmp_path, queue)
+    save_site()(view_writer_save, None, (rig.global_state, rig.dist_optimizer, tmp_path / "held2.pt"), {})
+    assert queue.get_num_unfinalized_calls() == 1  # not finished inside the call
+    harness.run_steps(rig, steps=2)
+    bridge_fgo.synchronize()
+    want4 = snapshot(rig.dist_optimizer)
+    save_site()(view_writer_save, None, (rig.global_state, rig.dist_optimizer, tmp_path / "held4.pt"), {})
+    assert (tmp_path / "held2.pt").exists() and queue.get_num_unfinalized_calls() == 1
+    queue.maybe_finalize_async_calls(blocking=True)
+    assert _same_states(_buffers(tmp_path / "held2.pt"), want2)
+    assert _same_states(_buffers(tmp_path / "held4.pt"), want4)
+    assert not _same_states(_buffers(tmp_path / "held2.pt"), want4)
+    assert not [r for r in caplog.records if "still held" in r.getMessage()]
+
+
+def _buffers(path):
+    """What a writer holding its tensors wrote, but the fp32 parameter's own shard: the model's tensor, never
+    in the host buffer, which such a writer writes as it is at write time, with or without offload."""
+    return {k: v for k, v in torch.load(path).items() if "torch.float32" not in k.split("/")[2]}
+
+
+def test_without_the_finish_the_reused_snapshot_would_be_rewritten(megatron_core_for, tmp_path, monkeypatch):
+    """The control: finish_pending skipped, the second save rewrites the snapshot the first still holds."""
+    queue = ViewWriterQueue()
+    rig, want2 = at_iteration_2(megatron_core_for, "torch", tmp_path, queue)
+    monkeypatch.setattr(saves, "finish_pending", lambda state, nbytes: None)
+    save_site()(view_writer_save, None, (rig.global_state, rig.dist_optimizer, tmp_path / "held2.pt"), {})
+    harness.run_steps(rig, steps=2)
+    save_site()(view_writer_save, None, (rig.global_state, rig.dist_optimizer, tmp_path / "held4.pt"), {})
+    queue.maybe_finalize_async_calls(blocking=True)
+    assert not _same_states(_buffers(tmp_path / "held2.pt"), want2)
+
+
+def test_no_snapshot_for_fully_reshardable_or_synchronous_saves_and_none_after_training(tmp_path):
+    bridge_fgo.patch(offload="builtin", chunk_mb=1)
+    for ckpt in ({"dist_ckpt_optim_fully_reshardable": True}, {"async_save": False}):
+        rig = rig_for("torch", tmp_path, ViewWriterQueue(), **ckpt)
+        harness.run_steps(rig, steps=1)
+        assert not engine_of(rig).snapshot.kept, ckpt
+    rig = rig_for("torch", tmp_path, ViewWriterQueue(), use_persistent_ckpt_worker=False)
+    harness.run_steps(rig, steps=1)
+    snap = engine_of(rig).snapshot
+    assert snap.kept and snap.route == "memory" and not any(t.is_shared() for _, t in snap.tensors.values())
+    train(rig, lambda **_: harness.run_steps(rig, steps=1))  # train() ends: parked, the snapshot let go
+    assert not snap.kept
+
+
+def test_a_snapshot_that_cannot_be_made_is_said_once_and_the_writers_copy_as_before(monkeypatch, tmp_path, caplog):
+    import resource
+
+    caplog.set_level("WARNING", logger="bridge_fgo")
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (16, 16))
+    bridge_fgo.patch(offload="builtin", chunk_mb=1)
+    rig = rig_for("torch", tmp_path, ViewWriterQueue())
+    harness.run_steps(rig, steps=1)
+    assert not engine_of(rig).snapshot.kept
+    (said,) = [r.getMessage() for r in caplog.records if "could not be made" in r.getMessage()]
+    assert "RLIMIT_NOFILE is 16" in said and "ulimit -n" in said
+
+
+def test_beside_a_load_the_snapshot_is_faulted_in_after_it(train_module, megatron_core_for, tmp_path):
+    """The load's reads fault pages in too: the snapshot is made before the load (the host views exist) and
+    faulted in once the load returned."""
+    setup_kind(megatron_core_for, "te")
+    bridge_fgo.patch(offload="builtin", chunk_mb=1)
+    rig = rig_for("te", tmp_path, ViewWriterQueue())
+    site = patcher._current.callsites.site(targets.target("load_checkpoint"))
+    during = []
+
+    def load(state, model, optimizer, scheduler):
+        snap = engine_of(rig).snapshot
+        during.append((snap.kept, snap._faulting))
+        return 0, 0
+
+    site(load, None, (rig.global_state, rig.model, rig.optimizer, None), {})
+    snap = engine_of(rig).snapshot
+    assert during == [(True, None)] and snap._faulting is not None  # started after the load
+    save_site()(view_writer_save, None, (rig.global_state, rig.dist_optimizer, tmp_path / "held.pt"), {})
+    assert snap.served and snap._faulting is None  # the save waited for it

@@ -120,3 +120,55 @@ def test_through_the_patch_only_with_the_streamed_step(train_module):
         result = DistributedOptimizer._build_model_and_main_param_groups(*layout())
         assert not any(construction.is_staged(m) for group in result[4] for m in group), options
         bridge_fgo.unpatch()
+
+
+# -- the landing block: the masters come to the host at a copy's speed ----------------------------------
+
+@pytest.fixture
+def landed(monkeypatch):
+    """The masters treated as made on a GPU (CPU tensors here): they go through the landing block; every
+    hostmem.pin and check_fits call recorded."""
+    from bridge_fgo import hostmem
+
+    calls = {"pin": [], "check": []}
+    real_pin, real_check = hostmem.pin, hostmem.check_fits
+    monkeypatch.setattr(construction, "_moves", lambda m: True)
+    monkeypatch.setattr(hostmem, "pin", lambda n, **k: calls["pin"].append(n) or real_pin(n, **k))
+    monkeypatch.setattr(hostmem, "check_fits", lambda n, **k: calls["check"].append(n) or real_check(n, **k))
+    return calls
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 2**20])
+def test_the_masters_land_in_one_block_checked_then_pinned_once(landed, chunk_bytes):
+    whole_in = layout(groups=2)
+    want = values(original()(DistributedOptimizer, *whole_in), whole_in[2])
+    batched_in = layout(groups=2)
+    built = construction.Built()
+    got = construction.build_on_host(lambda *a: original()(DistributedOptimizer, *a), batched_in, {}, chunk_bytes,
+                                     built)
+    assert_equal(values(got, batched_in[2]), want)  # the same values, order and objects' places
+    masters = [m for group in got[4] for m in group]
+    bound = sum(-(-4 * n // construction.ALIGN) * construction.ALIGN for n in (40, 8, 24, 16, 8))
+    assert landed["check"] == [bound] and landed["pin"] == [bound]  # checked, then pinned, once for all batches
+    storages = {m.untyped_storage().data_ptr() for m in masters}
+    assert len(storages) == 1 and built.landed == 4 * (40 + 8 + 24 + 16 + 8) and built.landing
+    assert all(m.storage_offset() * m.element_size() % construction.ALIGN == 0 for m in masters)
+    assert "one host block" in built.describe() and "pinning" in built.describe()
+
+
+def test_a_landing_block_that_does_not_fit_is_refused_by_name_and_each_master_copied_alone(landed, monkeypatch,
+                                                                                            caplog):
+    from bridge_fgo import hostmem
+
+    caplog.set_level("WARNING", logger="bridge_fgo")
+    monkeypatch.setattr(hostmem.available, "host_memory", lambda root=None: hostmem.available.HostMemory(
+        2**20, "MemAvailable", "test", 2**20, None))
+    batched_in = layout()
+    built = construction.Built()
+    got = construction.build_on_host(lambda *a: original()(DistributedOptimizer, *a), batched_in, {}, 100, built)
+    masters = [m for group in got[4] for m in group]
+    assert landed["pin"] == [] and built.landing is None and built.landed == 0
+    assert len({m.untyped_storage().data_ptr() for m in masters}) == len(masters)  # each its own memory
+    (said,) = [r.getMessage() for r in caplog.records]
+    assert "landing block" in said and "refused by the host-memory check" in said and "pageable" in said
+    assert "each copied into pageable memory of its own" in built.describe()

@@ -244,8 +244,8 @@ def test_an_asynchronous_saves_snapshot_counts_on_top_of_the_pinned_bytes(tmp_pa
     fit = hostmem.check_fits(5 * GiB, snapshot_per_rank=5 * GiB, ranks=9, root=str(tmp_path))
     assert (fit.fits, fit.needed, fit.snapshot_per_rank, fit.shm_available) == (True, 90 * GiB, 5 * GiB, None)
     line = fit.describe()
-    assert "5.00 GiB (5368709120 bytes) pinned per rank + 5.00 GiB (5368709120 bytes) per rank while an " \
-           "asynchronous checkpoint save is written" in line and "= 90.00 GiB" in line and "/dev/shm" not in line
+    assert "5.00 GiB (5368709120 bytes) pinned per rank + 5.00 GiB (5368709120 bytes) per rank for " \
+           "asynchronous checkpoint saves (the snapshot" in line and "= 90.00 GiB" in line and "/dev/shm" not in line
     with pytest.raises(BridgeFGOConfigError) as exc:
         hostmem.check_fits(5 * GiB, snapshot_per_rank=5 * GiB, ranks=10, root=str(tmp_path))
     msg = str(exc.value)
@@ -440,10 +440,18 @@ def test_first_touch_binding_refused(record_touch):
     assert int(t.count_nonzero()) == 0  # touched anyway
 
 
-def test_first_touch_without_a_node_is_plain(record_touch):
-    t = torch.full((4096,), 1, dtype=torch.uint8)
+def test_first_touch_without_a_node_is_unbound_and_threaded(record_touch, monkeypatch):
+    # one thread faults pages in at 1.3-3 GB/s, and under torchrun (OMP_NUM_THREADS=1) torch's zero_() is one
+    # thread: without a node the pages are still touched from several threads, none bound
+    monkeypatch.setattr(os, "cpu_count", lambda: 3)
+    t = torch.full((5 * 2**20 + 123,), 1, dtype=torch.uint8)
+    before = os.sched_getaffinity(0)
     node, how = hostmem.first_touch(t, hostmem.NumaTarget(None, (), "single NUMA node (0)"))
-    assert (node, how, record_touch) == (None, "single NUMA node (0)", [])
+    assert (node, how) == (None, "single NUMA node (0) from 3 thread(s)")
+    spans = sorted((ptr - t.data_ptr(), n) for _, _, ptr, n in record_touch)
+    assert spans == [(0, 2 * 2**20), (2 * 2**20, 2 * 2**20), (4 * 2**20, 2**20 + 123)]
+    assert {aff for _, aff, _, _ in record_touch} == {frozenset(before)}  # unbound
+    assert threading.current_thread().name not in {name for name, _, _, _ in record_touch}
     assert int(t.count_nonzero()) == 0
 
 
@@ -509,7 +517,8 @@ def test_pin_registers_on_the_gpus_node(fake_cuda, tmp_path, record_touch, caplo
 def test_pin_numa_off_and_explicit_device(fake_cuda, tmp_path, record_touch):
     buf = hostmem.pin(4096, device_index=5, numa=False, root=str(tmp_path))
     assert buf.registered and buf.numa_node is None and "not requested" in buf.placement
-    assert record_touch == [] and fake_cuda.calls[0][-1] == 5
+    assert {aff for _, aff, _, _ in record_touch} == {frozenset(os.sched_getaffinity(0))}  # touched, unbound
+    assert fake_cuda.calls[0][-1] == 5
 
 
 def test_pin_single_node_host(fake_cuda, tmp_path, record_touch):
@@ -720,3 +729,48 @@ def test_refused_through_the_real_train_step_before_anything_is_pinned(monkeypat
     msg = str(err.value)
     assert "per rank x 8 local rank(s) (LOCAL_WORLD_SIZE=8)" in msg and "1.00 GiB (1073741824 bytes) is available" in msg
     assert "Fix:" in msg and rig.events == [] and pinned == []
+
+
+# -- a registration deferred beside a checkpoint load's reads ---------------------------------------------
+
+def test_a_deferred_registration_runs_in_its_own_thread_until_waited_for(fake_cuda, tmp_path, monkeypatch):
+    gate = threading.Event()
+    real = fake_cuda.cudaHostRegister
+
+    def slow_register(ptr, n, flags):
+        gate.wait(10)  # held until the caller has gone on
+        return real(ptr, n, flags)
+    monkeypatch.setattr(fake_cuda, "cudaHostRegister", slow_register)
+    bytes0 = hostmem.pinned_bytes()
+    buf = hostmem.pin(3 * 2**20, root=str(tmp_path), defer=True)
+    assert buf.pending and fake_cuda.calls == []  # returned before the registration ran
+    buf.tensor[:5] = 7  # a load writes into the pages meanwhile
+    gate.set()
+    buf.wait()
+    assert not buf.pending and buf.registered and buf.method == "cudaHostRegister" and buf.register_s >= 0
+    kind, ptr, n, _, tid, dev = fake_cuda.calls[0]
+    assert (kind, ptr, n, dev) == ("register", buf.tensor.data_ptr(), 3 * 2**20, 2) and tid != threading.get_ident()
+    assert hostmem.pinned_bytes() == bytes0 + 3 * 2**20 and int(buf.tensor[:5].sum()) == 35
+    buf.free()
+    assert [c[0] for c in fake_cuda.calls] == ["register", "unregister"] and hostmem.pinned_bytes() == bytes0
+
+
+def test_a_refused_deferred_registration_leaves_the_buffer_pageable_with_one_warning(fake_cuda, tmp_path, caplog):
+    caplog.set_level(logging.WARNING, logger="bridge_fgo")
+    fake_cuda.result = FakeErr(2, "cudaErrorMemoryAllocation")
+    bytes0 = hostmem.pinned_bytes()
+    buf = hostmem.pin(4096, root=str(tmp_path), defer=True)
+    buf.wait()
+    assert not buf.registered and buf.method.startswith("pageable (cudaHostRegister failed with CUDA error 2")
+    assert hostmem.pinned_bytes() == bytes0 and buf.tensor is not None
+    (said,) = [r.getMessage() for r in caplog.records]
+    assert "stays pageable" in said and "ulimit -l" in said and "RLIMIT_MEMLOCK" in said
+    buf.repin()  # a next train(): nothing registered again, nothing raised
+    buf.free()
+    assert [c[0] for c in fake_cuda.calls] == ["register"] and hostmem.pinned_bytes() == bytes0
+
+
+def test_a_buffer_freed_before_its_deferred_registration_ends_is_unregistered_after_it(fake_cuda, tmp_path):
+    buf = hostmem.pin(4096, root=str(tmp_path), defer=True)
+    buf.free()  # joins the registration first
+    assert [c[0] for c in fake_cuda.calls] == ["register", "unregister"] and buf.freed

@@ -259,3 +259,55 @@ def test_a_load_makes_the_states_of_parameters_that_stay_on_the_gpu_on_the_host(
     finally:
         cls.load_state_dict = original
         engine.close()
+
+
+def test_the_buffers_registration_runs_beside_the_load_and_is_waited_for_after_it(train_module, monkeypatch):
+    """At the load call site the host buffer is allocated and touched before Bridge's load, its
+    cudaHostRegister deferred (it runs beside the load's reads, which write into the pages), and waited for
+    when the load returns, before any copy to the GPU; a fresh run's first step pins as before."""
+    import threading
+    import types
+
+    import bridge_fgo
+    from bridge_fgo import hostmem
+    from bridge_fgo.hostmem import pinning
+    from bridge_fgo.instrument import targets
+    from test_streamed import rig
+
+    pins, waits, real = [], [], hostmem.pin
+
+    def pin(n, **k):  # CPU: nothing registers; a deferred one is stood in by a finished thread
+        buf = real(n, **k)
+        pins.append(k.get("defer", False))
+        if k.get("defer"):
+            thread = threading.Thread(target=lambda: None)
+            thread.start()
+            buf._held.update(pending=thread, register_result=0)
+        return buf
+    monkeypatch.setattr(hostmem, "pin", pin)
+    real_wait = pinning.PinnedHost.wait
+    monkeypatch.setattr(pinning.PinnedHost, "wait", lambda self: waits.append(self.pending) or real_wait(self))
+    bridge_fgo.patch(offload="builtin", chunk_mb=1)
+    r = rig(optimizer="te")
+    r.cfg.checkpoint = types.SimpleNamespace(load_optim=True, finetune=False, save=None, load="ck")
+    site = bridge_fgo.instrument.patcher._current.callsites.site(targets.target("load_checkpoint"))
+    during = []
+
+    def load(state, model, optimizer, scheduler):
+        (session,) = bridge_fgo.instrument.patcher._current.callsites.registry.sessions()
+        buf = session.adapter.engine.buffer
+        during.append((buf.pending, [w for w in waits if w]))
+        return 0, 0
+
+    site(load, None, (types.SimpleNamespace(cfg=r.cfg), r.model, r.optimizer, None), {})
+    assert pins == [True] and during == [(True, [])]  # registering while the load ran
+    assert True in waits  # waited for when the load returned
+    (session,) = bridge_fgo.instrument.patcher._current.callsites.registry.sessions()
+    assert not session.adapter.engine.buffer.pending
+    bridge_fgo.unpatch()
+    bridge_fgo.patch(offload="builtin", chunk_mb=1)
+    pins.clear()
+    from support import harness
+
+    harness.run_steps(rig(optimizer="te"), steps=1)
+    assert pins == [False]

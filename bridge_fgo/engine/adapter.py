@@ -22,7 +22,7 @@ class BuiltinAdapter:
 
     def __init__(self, dist_optimizers: List[object], chunk_mb: int, gpu_budget_gib: Optional[float] = None,
                  params_norm: bool = False, activation_offload: Optional[List[str]] = None,
-                 snapshot: Optional[str] = None):
+                 snapshot: Optional[str] = None, keep_snapshot: bool = False):
         from .onewindow import OneWindowEngine
         from .streamed import StreamedEngine
 
@@ -46,6 +46,8 @@ class BuiltinAdapter:
         # where an asynchronous checkpoint save's writer copies the host states (instrument/saves.py):
         # None (no such save), "memory" or "shm"; the one window's states are on the GPU between steps
         self.snapshot = snapshot if chunk_mb else None
+        if self.snapshot and keep_snapshot:  # the writer gets whole host views: a kept snapshot (streamed/snapshot.py)
+            self.engine.snapshot.route = self.snapshot
 
     # -- before the first step: check on every rank, agree, then pin (callsites) -----------------
     def check(self) -> None:
@@ -89,6 +91,8 @@ class BuiltinAdapter:
         self.engine.synchronize()
 
     def before_load(self, loads_optimizer: bool) -> None:
+        if self.chunk_mb:
+            self.engine.defer_pinning = True  # the buffer's registration beside the load's reads
         if self.chunk_mb and not loads_optimizer:
             self.engine.states_after_load = True
 
@@ -120,6 +124,9 @@ class BuiltinAdapter:
 
     def host_tensors(self) -> List[object]:
         return self.engine.host_tensors() if self.chunk_mb else []
+
+    def saving(self):
+        return self.engine.snapshot.saving() if self.chunk_mb else contextlib.nullcontext()
 
     def end_training(self) -> bool:
         """train() returned: nothing stays pinned. The streamed step parks (states in the unpinned
@@ -194,6 +201,9 @@ def build(dist_optimizers, options, cfg=None, snapshot: Optional[str] = None) ->
     model = getattr(cfg, "model", None)
     activations = (list(getattr(model, "offload_modules", None) or [])
                    if getattr(model, "fine_grained_activation_offloading", False) else None)
+    # fully_reshardable hands the writer gathered copies, not the host views: no snapshot kept for it
+    gathered = bool(getattr(getattr(cfg, "checkpoint", None), "dist_ckpt_optim_fully_reshardable", False))
     return BuiltinAdapter(dist_optimizers, chunk_mb=options.chunk_mb, gpu_budget_gib=options.gpu_budget_gib,
-                          params_norm=log_params_norm, activation_offload=activations, snapshot=snapshot)
+                          params_norm=log_params_norm, activation_offload=activations, snapshot=snapshot,
+                          keep_snapshot=not gathered)
 

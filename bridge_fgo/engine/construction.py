@@ -11,6 +11,14 @@ made; the GPU holds one batch at most. The results are the original's, assembled
 - the inner optimizer's params (`orig_group["params"]`) are `[*fp32 shards, *the rest]` as the
   original writes them for the whole group, rebuilt from each batch's `[*fp32 shards, *the rest]`.
 
+At the speed of a copy: the masters of one construction land in one host block (Landing), its pages
+touched from several threads and registered with cudaHostRegister once (the pinning, timed apart), each
+batch's device-to-host copies queued without waiting (batches in flight, on the current stream, so a
+batch's freed GPU memory is reused only after its copy); one wait at the end, then the block is
+unregistered and stays as the masters' pageable memory until the engine takes them into its buffer. The
+block is counted by the host-memory check before it is pinned; where it does not fit, one WARNING per
+rank names it and each master is copied into pageable memory of its own, as before.
+
 The masters keep their objects (`master.data` is rebound), so `model_param.main_param` and the
 optimizer's param groups still hold them. The engine takes them from their staging tensors into its
 pinned buffer when it prepares (streamed/transfers.py); until then they are ordinary pageable host tensors,
@@ -19,10 +27,14 @@ tensor.
 """
 from __future__ import annotations
 
+import logging
+import time
 import weakref
 from typing import Dict, List, Optional, Tuple
 
-from ..errors import BridgeFGOError
+from .. import hostmem
+from ..errors import BridgeFGOConfigError, BridgeFGOError
+from ..log import once, rank_prefix
 
 # id(master) -> (a weak reference to it, the device Megatron-Core made it on): masters created on the
 # host by build_on_host() and whole_on_host(). Not a WeakSet: it compares tensors with ==, elementwise.
@@ -62,6 +74,96 @@ class Built:
         self.bytes = 0
         self.batches = 0
         self.largest_batch = 0
+        self.pin_s = 0.0     # the landing block: allocated, touched, registered (the pinning)
+        self.copy_s = 0.0    # the wait for its copies at the end (what they took beyond Megatron-Core's own work)
+        self.landed = 0      # bytes of masters that landed in the block
+        self.landing: Optional[str] = None  # how the masters came to the host, for the line
+
+    def describe(self) -> str:
+        how = (f"{self.landed} bytes copied into {self.landing} (pinning {self.pin_s:.2f} s, the last copies waited "
+               f"for {self.copy_s:.2f} s)" if self.landing else "each copied into pageable memory of its own")
+        return (f"{self.masters} master(s), {self.bytes} bytes, in {self.batches} batch(es) of at most "
+                f"{self.largest_batch} bytes on the GPU; {how}")
+
+
+ALIGN = 256  # a master's offset in the landing block: any dtype's view of it is aligned
+
+
+def _moves(m) -> bool:
+    """A master made on the GPU: it moves to the host (on CPU, in the tests, they already are host tensors)."""
+    return m.device.type == "cuda"
+
+
+class Landing:
+    """One host block for every master of a construction, pinned once; each master copied into its place
+    without waiting. `upper` bounds the bytes (the block is made at the first master that moves)."""
+
+    def __init__(self, upper: int):
+        self.upper = upper
+        self.block = None     # hostmem.PinnedHost, or None: not made (yet), or refused
+        self.refused = False
+        self.used = 0
+
+    def place(self, m, built: Built):
+        """A host tensor holding m's values once finish() returned (None: no room, or the block refused)."""
+        if self.refused:
+            return None
+        if self.block is None and not self._make(built):
+            return None
+        nbytes = m.numel() * m.element_size()
+        at = -(-self.used // ALIGN) * ALIGN
+        if at + nbytes > self.block.nbytes:
+            return None
+        self.used = at + nbytes
+        host = self.block.tensor[at:at + nbytes].view(m.dtype).view(m.shape)
+        host.copy_(m, non_blocking=True)
+        built.landed += nbytes
+        return host
+
+    def _make(self, built: Built) -> bool:
+        t0 = time.perf_counter()
+        try:
+            hostmem.check_fits(self.upper)
+        except BridgeFGOConfigError as exc:
+            self.refused = True
+            once(("landing-refused",), logging.WARNING,
+                 "%sthe fp32 masters' landing block (%d bytes, pinned while the optimizer is built, so the masters "
+                 "come to the host at the link's speed) is refused by the host-memory check, so each master is "
+                 "copied into pageable memory of its own, slower: %s", rank_prefix(), self.upper, exc)
+            return False
+        self.block = hostmem.pin(self.upper)
+        built.pin_s += time.perf_counter() - t0
+        built.landing = f"one {'pinned' if self.block.registered else 'host'} block of {self.upper} bytes"
+        return True
+
+    def finish(self, built: Built) -> None:
+        """Every copy into the block done; the block unregistered (the masters' views keep its memory)."""
+        if self.block is None:
+            return
+        t0 = time.perf_counter()
+        if self.block.registered:
+            import torch
+
+            torch.cuda.current_stream().synchronize()
+        built.copy_s += time.perf_counter() - t0
+        self.block.free()  # unpinned now; the memory goes when the engine has taken the last master from it
+        self.block = None
+
+
+def _upper_bytes(opt_group_ranges, param_gbuf_map, gbuf_ranges) -> int:
+    """At most what the masters of this construction take in the landing block: an fp32 master per
+    parameter that is not fp32 itself, each at an aligned offset."""
+    import torch
+
+    total = 0
+    for group_range in opt_group_ranges:
+        for p in group_range["params"]:
+            if p.dtype == torch.float32:
+                continue
+            gbuf_index, dtype, bucket_index = param_gbuf_map[p]
+            numel = gbuf_ranges[gbuf_index][dtype][bucket_index]["param_map"][p]["param"].size
+            total += -(-4 * numel // ALIGN) * ALIGN
+    return total
 
 
 def _batches(params, param_gbuf_map, gbuf_ranges, chunk_bytes: int) -> List[list]:
@@ -81,16 +183,18 @@ def _batches(params, param_gbuf_map, gbuf_ranges, chunk_bytes: int) -> List[list
     return out
 
 
-def _to_host(masters, built: Built, batch_bytes: int) -> None:
+def _to_host(masters, built: Built, batch_bytes: int, landing: Optional[Landing] = None) -> None:
     import torch
 
     devices = [None if m is None else m.device for m in masters]
     for m in masters:
-        if m is None or m.device.type != "cuda":
+        if m is None or not _moves(m):
             continue  # precision-aware: the optimizer holds them; on CPU (tests) they already are host tensors
-        host = torch.empty(m.shape, dtype=m.dtype, device="cpu")
-        host.copy_(m)  # synchronous: the GPU copy is freed as soon as the last reference goes below
-        m.data = host
+        host = landing.place(m, built) if landing is not None else None
+        if host is None:
+            host = torch.empty(m.shape, dtype=m.dtype, device="cpu")
+            host.copy_(m)  # synchronous: the GPU copy is freed as soon as the last reference goes below
+        m.data = host  # in the landing block: the copy is queued, and the GPU memory reused only after it
     for m, device in zip(masters, devices):
         if m is not None:
             _stage(m, device)
@@ -111,6 +215,14 @@ def build_on_host(wrapped, args, kwargs, chunk_bytes: int, built: Optional[Built
         raise BridgeFGOError("internal: _build_model_and_main_param_groups called with arguments bridge_fgo "
                              f"does not know ({len(args)} positional, keywords {sorted(kwargs)})")
     gbuf_ranges, param_gbuf_map, config = bound["gbuf_ranges"], bound["param_gbuf_map"], bound["config"]
+    landing = Landing(_upper_bytes(bound["opt_group_ranges"], param_gbuf_map, gbuf_ranges))
+    try:
+        return _build(wrapped, bound, gbuf_ranges, param_gbuf_map, config, chunk_bytes, built, landing)
+    finally:
+        landing.finish(built)
+
+
+def _build(wrapped, bound, gbuf_ranges, param_gbuf_map, config, chunk_bytes, built, landing):
     results: List[list] = [[] for _ in range(5)]
     for group_range in bound["opt_group_ranges"]:
         lists: List[list] = [[] for _ in range(5)]
@@ -131,7 +243,7 @@ def build_on_host(wrapped, args, kwargs, chunk_bytes: int, built: Optional[Built
                                      "inner optimizer's params")
             fp32_shards += params[:len(head)]
             rest += params[len(head):]
-            _to_host(out[4][0], built, sum(4 * (m.numel() if m is not None else 0) for m in out[4][0]))
+            _to_host(out[4][0], built, sum(4 * (m.numel() if m is not None else 0) for m in out[4][0]), landing)
         group_range["orig_group"]["params"] = [*fp32_shards, *rest]
         for acc, one in zip(results, lists):
             acc.append(one)

@@ -151,14 +151,32 @@ def _touch_range(ptr: int, nbytes: int) -> None:
     ctypes.memset(ptr, 0, nbytes)
 
 
+def _touch_in_threads(ptr: int, nbytes: int, workers: int) -> int:
+    """Write every page of [ptr, ptr + nbytes) once, from `workers` unbound threads on 2 MiB-aligned
+    slices; how many threads ran."""
+    step = -(-nbytes // workers)
+    step = -(-step // _TOUCH_ALIGN) * _TOUCH_ALIGN
+    threads = [threading.Thread(target=_touch_range, args=(ptr + s, min(step, nbytes - s)),
+                                name=f"bridge_fgo-touch-{i}") for i, s in enumerate(range(0, nbytes, step))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return len(threads)
+
+
 def first_touch(tensor, target: NumaTarget) -> Tuple[Optional[int], str]:
     """Fault in every page of `tensor`'s storage. With a target node, from threads bound to that node's
     CPUs (only the worker threads are bound, the caller's affinity is left alone). Returns (the node
     the pages were touched on, or None; how it was done)."""
     nbytes = tensor.numel() * tensor.element_size()
-    if target.node is None or nbytes == 0:
-        tensor.zero_()
+    if nbytes == 0:
         return None, target.reason
+    if target.node is None:
+        # no placement: still from several threads, since one faults pages in at about 1.3-3 GB/s and
+        # torch's zero_() runs on one thread under torchrun (OMP_NUM_THREADS=1)
+        threads = _touch_in_threads(tensor.data_ptr(), nbytes, max(1, min(_TOUCH_THREADS, os.cpu_count() or 1)))
+        return None, f"{target.reason} from {threads} thread(s)"
     ptr = tensor.data_ptr()
     workers = max(1, min(_TOUCH_THREADS, len(target.cpus), os.cpu_count() or 1))
     step = -(-nbytes // workers)

@@ -77,6 +77,10 @@ def _release(held: Dict[str, object], device: Optional[int], nbytes: int, method
     """Unregister (when registered for `device`, and not unpinned since) and drop the buffer. The
     PinnedHost's weakref.finalize calls it, so it runs once: from free(), or when the PinnedHost is
     collected."""
+    pending = held.pop("pending", None)
+    if pending is not None:  # a deferred registration still running: it finishes before anything is undone
+        pending.join()
+        _settle(held, nbytes)
     tensor = held.pop("tensor")
     how = held.get("by", "the garbage collector (free() was not called)")
     unpinned = held.get("unpinned", False)
@@ -109,7 +113,9 @@ class PinnedHost:
         self.device = device        # the CUDA device it is registered for; None: not registered
         self.numa_node = numa_node  # the node it was first-touched on; None: no placement
         self.placement = placement  # how the first touch was done, or why without placement
-        self.seconds = seconds      # allocation + first touch + pinning
+        self.seconds = seconds      # allocation + first touch + pinning (deferred: without the registration)
+        self.register_s = 0.0       # a deferred registration's own time, once waited for (wait())
+        self.waited_s = 0.0         # how long wait() blocked for it
         # the only reference bridge_fgo keeps to the tensor, shared with the finalizer, which keeps
         # the memory alive until it runs and then drops it
         self._held: Dict[str, object] = {"tensor": tensor}
@@ -124,6 +130,25 @@ class PinnedHost:
         return self._held.get("tensor")
 
     @property
+    def pending(self) -> bool:
+        """True while a deferred cudaHostRegister (pin(defer=True)) may still be running."""
+        return self._held.get("pending") is not None
+
+    def wait(self) -> None:
+        """A deferred registration finished (nothing to do otherwise): registered, or, refused, the buffer
+        stays pageable with one WARNING (copies to and from it still work, slower). `register_s` says how
+        long the registration took, off the caller's path until this wait."""
+        pending = self._held.pop("pending", None)
+        if pending is None:
+            return
+        t0 = time.perf_counter()
+        pending.join()
+        self.waited_s = time.perf_counter() - t0
+        self.register_s = self._held.get("register_s", 0.0)
+        if not _settle(self._held, self.nbytes):
+            self.method = f"pageable (cudaHostRegister failed with {self._held['register_error']})"
+
+    @property
     def registered(self) -> bool:
         """True while cudaHostRegister pins it (until unpinned or released)."""
         return self.device is not None and self._finalizer.alive and not self._held.get("unpinned")
@@ -136,6 +161,7 @@ class PinnedHost:
         """Unregister in place: the same memory, pageable again, still holding its data (the states of
         a finished training). It leaves pinned_bytes(). False where that cannot be done in place
         (PyTorch's pinned allocator, the fallback): the buffer stays pinned."""
+        self.wait()
         if self.freed or self.unpinned or self.method == "pin_memory=True":
             return self.unpinned
         if self.device is not None:
@@ -145,8 +171,10 @@ class PinnedHost:
         return True
 
     def repin(self) -> None:
-        """Register the same memory again (after unpin()), data untouched."""
-        if self.freed or not self.unpinned:
+        """Register the same memory again (after unpin()), data untouched; not one whose deferred
+        registration was refused (it stays pageable, said once)."""
+        self.wait()
+        if self.freed or not self.unpinned or self._held.get("register_error"):
             return
         if self.device is not None:
             err = _register(self._held["tensor"], self.device, self.nbytes)
@@ -183,6 +211,7 @@ class PinnedHost:
     def free(self) -> None:
         """Unregister and drop the buffer; later calls do nothing."""
         if self._finalizer.alive:
+            self.wait()
             self._held["by"] = "free()"
             self._finalizer()
 
@@ -192,6 +221,40 @@ class PinnedHost:
 
     def __repr__(self) -> str:
         return f"PinnedHost({self.nbytes} bytes, {self.method}{', freed' if self.freed else ''})"
+
+
+def _start_register(held: Dict[str, object], tensor, device: int, nbytes: int) -> None:
+    """cudaHostRegister in a thread of its own (pin(defer=True)); wait() or the release joins it."""
+    import torch
+
+    def register():
+        t0 = time.perf_counter()
+        try:
+            torch.cuda.set_device(device)
+            held["register_result"] = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0)
+        except BaseException as exc:  # said by _settle, in the caller's thread
+            held["register_result"] = exc
+        held["register_s"] = time.perf_counter() - t0
+
+    thread = threading.Thread(target=register, name="bridge_fgo-pin-deferred")
+    held["pending"] = thread
+    thread.start()
+
+
+def _settle(held: Dict[str, object], nbytes: int) -> bool:
+    """After a deferred registration joined: True if it pinned; otherwise the buffer is marked unpinned
+    (nothing to unregister), leaves the pinned count, and one WARNING names the error."""
+    err = held.pop("register_result", 0)
+    if not isinstance(err, BaseException) and _code(err) == 0:
+        return True
+    name = f"{type(err).__name__}: {err}" if isinstance(err, BaseException) else _err_name(err)
+    held["register_error"], held["unpinned"] = name, True
+    _count(-nbytes, 0)
+    logger.warning("%scudaHostRegister of the %s optimizer-state host buffer (started while a checkpoint load read "
+                   "from disk) failed with %s; %s. The buffer stays pageable: every copy to and from the GPU still "
+                   "works, slower. Fix: raise the locked-memory limit (ulimit -l unlimited; docker --ulimit "
+                   "memlock=-1), or %s", rank_prefix(), fmt_bytes(nbytes), name, _memlock_limits(), FIXES)
+    return False
 
 
 def _code(err) -> int:
@@ -250,7 +313,7 @@ def _memlock_limits() -> str:
 
 
 def pin(nbytes: int, *, device_index: Optional[int] = None, numa: bool = True,
-        root: Optional[str] = None, target: Optional[_numa.NumaTarget] = None) -> PinnedHost:
+        root: Optional[str] = None, target: Optional[_numa.NumaTarget] = None, defer: bool = False) -> PinnedHost:
     """Allocate `nbytes` of page-locked host memory for device `device_index` (default: the current one).
 
     A pageable tensor is first-touched (on the GPU's NUMA node when `numa` and the host has several)
@@ -259,7 +322,10 @@ def pin(nbytes: int, *, device_index: Optional[int] = None, numa: bool = True,
     pages are freed and pin_memory=True is tried; if that fails too, BridgeFGOConfigError. Without
     CUDA, or for 0 bytes: an unpinned, untouched tensor (registered False) and no message; it counts
     in pinned_bytes() like the others. `target` replaces the lookup of the GPU's node (a benchmark
-    placing the buffer on another node)."""
+    placing the buffer on another node). `defer`: the pages are allocated and touched here, and
+    cudaHostRegister runs in a thread of its own (a checkpoint load reads from disk meanwhile, writing
+    into the pages); PinnedHost.wait() joins it before any copy to or from the GPU, and a refusal there
+    leaves the buffer pageable with one WARNING instead of the pin_memory=True fallback."""
     import torch
 
     if nbytes < 0:
@@ -275,6 +341,12 @@ def pin(nbytes: int, *, device_index: Optional[int] = None, numa: bool = True,
                   else _numa.NumaTarget(None, (), "NUMA placement not requested: plain first touch"))
     tensor = torch.empty(nbytes, dtype=torch.uint8)
     node, placement = _numa.first_touch(tensor, target)  # registering then pins pages already present
+    if defer:
+        buf = PinnedHost(tensor, nbytes, "cudaHostRegister", device=device, numa_node=node, placement=placement,
+                         seconds=time.perf_counter() - t0)
+        _start_register(buf._held, tensor, device, nbytes)
+        logger.debug("%s%s; registration deferred", rank_prefix(), buf.describe())
+        return buf
     err = _register(tensor, device, nbytes)
     if _code(err) == 0:
         buf = PinnedHost(tensor, nbytes, "cudaHostRegister", device=device, numa_node=node,

@@ -245,9 +245,7 @@ class CallSites:
         result = construction.build_on_host(wrapped, args, kwargs, first_chunk_mb(self.options.chunk_mb) * MIB, built)
         peaks.note("optimizer construction")
         if built.masters:
-            logger.info("%sfp32 masters made on the host: %d master(s), %d bytes, in %d batch(es) of at most %d "
-                        "bytes on the GPU", rank_prefix(), built.masters, built.bytes, built.batches,
-                        built.largest_batch)
+            logger.info("%sfp32 masters made on the host: %s", rank_prefix(), built.describe())
         return result
 
     def build_whole_masters(self, name, wrapped, instance, args, kwargs):
@@ -309,7 +307,10 @@ class CallSites:
         buffers = [b for s in sessions for b in s.adapter.host_buffers()]
         saves.finish_pending(state, sum(b.nbytes for b in buffers if not b.freed))  # one snapshot at a time
         watch = saves.Watch(buffers, [t for s in sessions for t in s.adapter.host_tensors()])
-        result = wrapped(*args, **kwargs)
+        with contextlib.ExitStack() as stack:  # the writer handed each session's kept snapshot, where it has one
+            for session in sessions:
+                stack.enter_context(session.adapter.saving())
+            result = wrapped(*args, **kwargs)
         watch.after(state)
         return result
 

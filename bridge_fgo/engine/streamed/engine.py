@@ -30,6 +30,7 @@ from .norms import Norms
 from .plan import Plan
 from .qkclip import QKClip
 from .readers import TORN_FIX, Readers
+from .snapshot import Snapshot
 from .transfers import Transfers
 from .update import Update
 
@@ -59,9 +60,13 @@ class StreamedEngine:
         self.update = Update(self.plan, self.transfers, self.readers, _weakly(self.synchronize), self.norms, self.qk)
         self.head = Head(self.plan, self.transfers)
         self.fitting = Fitting(self.plan, self.transfers, self.head, budget_bytes, auto)
+        self.snapshot = Snapshot(self.plan)  # what asynchronous saves hand their writer (snapshot.py)
         self.setup_peak: Optional[int] = None
         self.steps_streamed = 0
         self._fsdp_hooks = subset.Shadows()
+        # a checkpoint load comes next: the buffer's registration runs beside its reads, the warm pass after it
+        self.defer_pinning = False
+        self._warm_pending = False
 
     # -- what the adapter, status and tests read -------------------------------------------------
     parts = property(lambda self: self.plan.parts)
@@ -127,8 +132,9 @@ class StreamedEngine:
             if t.buffer.unpinned:
                 t.buffer.repin()
                 self._note_setup_peak()
+            self.snapshot.allocate()  # dropped when the last training parked
             return
-        t.pin()
+        t.pin(defer=self.defer_pinning)
         t.take_all()  # masters made on the host at construction, states a load put elsewhere
         for part in self.parts:
             if part.fsdp is not None:  # Megatron-FSDP's own copy outside an update reads the host masters
@@ -138,8 +144,12 @@ class StreamedEngine:
         self.readers.hook_loads()
         self.head.attach()
         self._note_setup_peak()
+        self.snapshot.allocate(fault=not self.defer_pinning)  # beside a load: faulted in after it
         if t.copies.device_copies:
-            t.warm()
+            if t.buffer.pending:
+                self._warm_pending = True  # after the load (after_load), once the registration is through
+            else:
+                t.warm()
 
     def _note_setup_peak(self) -> None:
         if self.transfers.copies.device_copies:
@@ -149,6 +159,11 @@ class StreamedEngine:
 
     def after_load(self) -> None:
         if self.transfers.buffer is not None:
+            self.transfers.ready()
+            self.snapshot.fault_in()
+            if self._warm_pending:
+                self._warm_pending = False
+                self.transfers.warm()
             self.readers.after_load()
 
     # -- the call sites ---------------------------------------------------------------------------
@@ -261,6 +276,7 @@ class StreamedEngine:
         memory) and the buffer is unpinned in place, so nothing stays locked and no GPU memory is taken
         back; a next train() pins it again (prepare), unpatch() brings the states to the GPU (close)."""
         self.settle(wait=True)
+        self.snapshot.drop()  # a save still writing it keeps its own references; a next train() makes another
         if self.transfers.buffer is not None:
             self.transfers.buffer.unpin()
 
@@ -271,6 +287,7 @@ class StreamedEngine:
                            "steps of them stay refused until a checkpoint is loaded. %s", rank_prefix(), self.torn,
                            TORN_FIX)
         self.settle(wait=True)
+        self.snapshot.drop()
         t = self.transfers
         if t.buffer is None:
             return

@@ -14,7 +14,8 @@ from typing import List
 
 from ... import hostmem
 from ...errors import BridgeFGOError
-from ...log import once, rank_prefix
+from ...hostmem.common import fmt_bytes
+from ...log import logger, once, rank_prefix
 from .. import construction, copies as copies_mod
 from ..tensors import MASTER, Bindings, Entry, aligned, owns_storage, same
 from ..uninterrupted import each
@@ -39,14 +40,25 @@ class Transfers:
         return self.plan.device
 
     # -- the host buffer --------------------------------------------------------------------------
-    def pin(self) -> None:
-        """The host buffer pinned once, for the plan; each entry's host view in it; the window."""
-        self.buffer = hostmem.pin(self.plan.lay_out())
+    def pin(self, defer: bool = False) -> None:
+        """The host buffer pinned once, for the plan; each entry's host view in it; the window. `defer`: its
+        registration runs beside what comes next (a checkpoint load's reads), until ready()."""
+        self.buffer = hostmem.pin(self.plan.lay_out(), defer=defer)
         for part in self.plan.parts:
             for e in part.entries():
                 e.host = self.buffer.tensor[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape)
         self.copies = copies_mod.copies_for(self.device)
         self.new_window()
+
+    def ready(self) -> None:
+        """The buffer's deferred registration finished (hostmem.pin(defer=True)): before any copy between it
+        and the GPU."""
+        if self.buffer is not None and self.buffer.pending:
+            self.buffer.wait()
+            if self.buffer.registered:
+                logger.info("%sthe %s host buffer's cudaHostRegister ran beside the checkpoint load: %.2f s, of "
+                            "which the load's end waited %.2f s", rank_prefix(), fmt_bytes(self.buffer.nbytes),
+                            self.buffer.register_s, self.buffer.waited_s)
 
     def new_window(self) -> None:
         self.window = copies_mod.Window(self.copies, self.plan.window_sizes, self.device)
@@ -55,6 +67,7 @@ class Transfers:
         """One DMA pass over the buffer, so the first step does not pay for first use of the pages."""
         import torch
 
+        self.ready()
         nbytes = self.buffer.nbytes
         if not nbytes:
             return
@@ -81,6 +94,8 @@ class Transfers:
         A master keeps a storage-less tensor on the compute device as its shell (reload binds it)."""
         flat = part.fsdp is not None and e.kind == MASTER  # a view of Megatron-FSDP's buffer: retired whole
         self.check_takeover(part, e, t, frees=free and not flat)
+        if t.device.type != "cpu":
+            self.ready()
         e.host.copy_(t.detach())
         if e.kind == MASTER:
             self.plan.writes += 1
@@ -173,6 +188,7 @@ class Transfers:
         pending = list(self.plan.away())
         if not pending:
             return
+        self.ready()
         for part, _, e, t in pending:
             self.check_takeover(part, e, t)  # (frees only what is on the compute device)
         if any(e.kind == MASTER for _, _, e, _ in pending):
@@ -203,6 +219,7 @@ class Transfers:
 
     def to_device(self, part: Part, b: Bindings, e: Entry) -> None:
         """An entry back on the GPU as an ordinary tensor (a master in its own GPU tensor again)."""
+        self.ready()
         if e.kind == MASTER:
             shell = part.shells.pop(id(e.param), None)
             if shell is not None:
@@ -221,6 +238,7 @@ class Transfers:
         chunks = self.plan.chunks
         if index in self.started or index >= len(chunks):
             return
+        self.ready()
         chunk = chunks[index]
         slot = self.window.slot(index, chunk.nbytes)
         # the slot's memory is free on the compute stream, the chunk that was in it has left it, and
@@ -251,6 +269,7 @@ class Transfers:
         (the new tail, which readers and the next update's copies wait for) and bound as it was."""
         import torch
 
+        self.ready()
         at, end = [], 0
         for e in entries:
             at.append(aligned(end, e.nbytes))

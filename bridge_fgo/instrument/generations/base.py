@@ -86,6 +86,12 @@ class Adapter:
         """The tensors bound to views of those buffers (what a checkpoint writer is handed)."""
         return []
 
+    def saving(self):
+        """Around an asynchronous checkpoint save's call (a context manager): what the writer is handed."""
+        import contextlib
+
+        return contextlib.nullcontext()
+
     def describe(self) -> Dict[str, object]:
         return {}
 

@@ -1,0 +1,252 @@
+"""The snapshot an asynchronous checkpoint save hands its writer: one tensor per host entry, each owning
+exactly its storage, made once and reused by every save of the run.
+
+Without it, both writers (Megatron-Core's and nvidia-resiliency-ext's FileSystemWriterAsync) clone every
+host state inside the save call (a view of the pinned buffer: its storage is larger than the tensor), and
+pickling the clones for Bridge's persistent worker moves each into fresh /dev/shm pages: two copies and
+fresh pages at every save, 1.65-1.71x the stall without offload on data-parallel 2 (4xH100, 2026-11-27).
+
+With it (read in nvidia-resiliency-ext 0.6.0 and Megatron-Core 0.19.2):
+- a CPU tensor whose storage is exactly the tensor is not cloned (prepare_write_data's test:
+  untyped_storage().size() == numel * itemsize), and one whose storage is already shared memory is pickled
+  by handle (torch's reductions move a storage into shared memory only when it is not there yet);
+- the persistent worker drops what a request handed it once the request is written (`del item`,
+  gc.collect(); only GPU tensors are cached there), so keeping the snapshot holds no second copy;
+- so a save copies the host states once, into pages faulted in long before (a thread at prepare()), at
+  memcpy speed, from several threads.
+
+One snapshot, reused: the save_checkpoint call site finishes a pending asynchronous save before the next
+starts (instrument/saves.py, finish_pending), so no writer still reads the snapshot when the next save
+rewrites it, and the next optimizer steps write the pinned buffer, never the snapshot. Only the states
+handed to the writer as whole host views are served this way (dp_reshardable, Bridge's default);
+fully_reshardable hands it gathered copies, which it clones as without offload.
+
+Route "shm" (the persistent worker): shared storages, /dev/shm checked for them before the first step;
+"memory" (Megatron-Core's forked worker reads this process's pages): ordinary tensors. Both are counted
+by the host-memory check (snapshot_per_rank).
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import threading
+import time
+from typing import Dict, List, Optional, Tuple
+
+from ...hostmem import numa
+from ...hostmem.common import fmt_bytes
+from ...log import logger, once, rank_prefix
+from .plan import Plan
+
+SHM, MEMORY = "shm", "memory"
+PIECE = 64 * 2**20    # a copy's unit across threads
+THREADS = 8           # memcpy stops scaling beyond a few threads per rank
+FD_MARGIN = 256       # file descriptors left to everything else when each shared storage keeps one open
+
+
+class Snapshot:
+    def __init__(self, plan: Plan):
+        self.plan = plan
+        self.route: Optional[str] = None  # set by the adapter: keep a snapshot for this run's saves
+        self.tensors: Dict[int, Tuple[object, object]] = {}  # id(entry) -> (entry, its snapshot tensor)
+        self.nbytes = 0
+        self._faulting: Optional[threading.Thread] = None
+        self.fault_s = 0.0    # the background fault-in's own time
+        self.copy_s: List[float] = []  # each save's copy into the snapshot
+        self.served = 0       # tensors handed to the writer from the snapshot, last save
+        self._unfaulted = False  # allocated, its fault-in not started yet
+        self._taken = False   # copied for the save in progress
+
+    @property
+    def kept(self) -> bool:
+        return bool(self.tensors)
+
+    # -- made once ---------------------------------------------------------------------------------
+    def allocate(self, fault: bool = True) -> None:
+        """One tensor per streamed entry (route shm: its own shared storage), faulted in by a background
+        thread (`fault`; otherwise at fault_in(): not beside a checkpoint load's reads, which fault pages
+        in too); nothing when no route is set. A snapshot that cannot be made is said once, and the
+        writers' own copies serve the saves as before."""
+        if self.route is None or self.tensors:
+            return
+        import torch
+
+        entries = [e for _, _, e in self.plan.streamed_entries() if e.nbytes and e.host is not None]
+        why = self._fd_room(len(entries)) if self.route == SHM else None
+        if why is None:
+            try:
+                made = {}
+                for e in entries:
+                    if self.route == SHM:
+                        t = torch.empty(0, dtype=e.dtype).set_(torch.UntypedStorage._new_shared(e.nbytes), 0, e.shape)
+                    else:
+                        t = torch.empty(e.shape, dtype=e.dtype)
+                    made[id(e)] = (e, t)
+                self.tensors = made
+            except (RuntimeError, OSError) as exc:
+                why = f"{type(exc).__name__}: {exc}"
+        if why is not None:
+            self.tensors = {}
+            once(("snapshot-unmade",), logging.WARNING,
+                 "%scfg.checkpoint.async_save: the snapshot of the optimizer states kept for asynchronous saves "
+                 "could not be made (%s); every such save copies them as the checkpoint writer does (twice, into "
+                 "fresh pages: a longer stall)", rank_prefix(), why)
+            return
+        self.nbytes = sum(e.nbytes for e, _ in self.tensors.values())
+        self._unfaulted = True
+        if fault:
+            self.fault_in()
+        logger.info("%sasynchronous checkpoint saves: a snapshot of the host states kept for the run, %d tensor(s), "
+                    "%s in %s, its pages faulted in by a background thread; each save copies the states into it "
+                    "once and hands it to the writer, which neither clones nor moves it", rank_prefix(),
+                    len(self.tensors), fmt_bytes(self.nbytes),
+                    "/dev/shm (shared memory)" if self.route == SHM else "this process's memory")
+
+    def fault_in(self) -> None:
+        """The snapshot's pages faulted in by a background thread, once."""
+        if not self.tensors or not self._unfaulted:
+            return
+        self._unfaulted = False
+        storages = [t for _, t in self.tensors.values()]
+        self._faulting = threading.Thread(target=self._fault_in, args=(storages,), name="bridge_fgo-snapshot",
+                                          daemon=True)
+        self._faulting.start()
+
+    def _fault_in(self, tensors) -> None:
+        t0 = time.perf_counter()
+        for t in tensors:  # ctypes.memset drops the GIL: training goes on meanwhile
+            numa._touch_range(t.data_ptr(), t.numel() * t.element_size())
+        self.fault_s = time.perf_counter() - t0
+
+    @staticmethod
+    def _fd_room(n: int) -> Optional[str]:
+        """Each shared storage keeps a file descriptor open (torch's file_descriptor strategy): raise the soft
+        limit where the hard one allows; why not, otherwise."""
+        import torch.multiprocessing as tmp
+
+        if tmp.get_sharing_strategy() != "file_descriptor":
+            return None
+        try:
+            import resource
+
+            soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+            need = n + FD_MARGIN + len(os.listdir("/proc/self/fd"))
+            if soft != resource.RLIM_INFINITY and soft < need:
+                if hard != resource.RLIM_INFINITY and hard < need:
+                    return (f"{n} shared tensors keep {n} file descriptors open, and RLIMIT_NOFILE is {soft} (hard "
+                            f"{hard}); fix: ulimit -n {need}")
+                resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+        except (ImportError, OSError, ValueError) as exc:
+            return f"RLIMIT_NOFILE: {type(exc).__name__}: {exc}"
+        return None
+
+    def drop(self) -> None:
+        """Let the snapshot go (the end of training, close): a save still writing it holds its own references."""
+        if self._faulting is not None:
+            self._faulting.join()
+            self._faulting = None
+        self.tensors, self.nbytes, self._taken, self._unfaulted = {}, 0, False, False
+
+    # -- each save -----------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def saving(self):
+        """Around one asynchronous save call: each DistributedOptimizer's sharded_state_dict, when built for
+        saving, hands the writer the snapshot (the states copied into it at the first such call) instead of
+        views of the pinned buffer. Nothing changes without a snapshot."""
+        if not self.tensors:
+            yield
+            return
+        import functools
+        import weakref
+
+        from .. import subset
+
+        self._taken, self.served = False, 0
+        hooks = subset.Shadows()
+        for part in self.plan.parts:
+            opt = part.opt
+            if callable(getattr(type(opt), "sharded_state_dict", None)):
+                prior = opt.__dict__.get("sharded_state_dict")  # a guard of the readers, when one is set
+                hooks.set(opt, "sharded_state_dict", functools.partial(self._sharded, weakref.ref(opt), prior))
+        try:
+            yield
+        finally:
+            hooks.restore()
+            self._taken = False
+
+    def _sharded(self, opt_ref, prior, *args, **kwargs):
+        from .readers import _is_loading
+
+        opt = opt_ref()
+        method = type(opt).sharded_state_dict
+        out = prior(*args, **kwargs) if prior is not None else method(opt, *args, **kwargs)
+        if out is not None and not _is_loading(method, opt, args, kwargs):
+            self.substitute(out)
+        return out
+
+    def take(self) -> None:
+        """The host states copied into the snapshot (once per save): after the fault-in, from several threads.
+        The last update's copies were waited for before (the save's readers' guards)."""
+        if self._taken or not self.tensors:
+            return
+        self.fault_in()  # (a load's after_load starts it; here only if nothing did)
+        if self._faulting is not None:
+            self._faulting.join()
+            self._faulting = None
+        t0 = time.perf_counter()
+        pieces = []
+        for e, snap in self.tensors.values():
+            dst, src = snap.data_ptr(), e.host.data_ptr()
+            pieces += [(dst + a, src + a, min(PIECE, e.nbytes - a)) for a in range(0, e.nbytes, PIECE)]
+        workers = max(1, min(THREADS, os.cpu_count() or 1, len(pieces)))
+        errors: List[BaseException] = []
+
+        def work(mine):
+            try:  # ctypes.memmove drops the GIL and uses no thread pool of its own (torch's copy_ would)
+                for dst, src, n in mine:
+                    ctypes.memmove(dst, src, n)
+            except BaseException as exc:  # raised in the caller
+                errors.append(exc)
+
+        threads = [threading.Thread(target=work, args=(pieces[i::workers],), name=f"bridge_fgo-snapshot-{i}")
+                   for i in range(workers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        self.copy_s.append(time.perf_counter() - t0)
+        self._taken = True
+        logger.debug("%ssnapshot: %s copied in %.3f s from %d thread(s)", rank_prefix(), fmt_bytes(self.nbytes),
+                     self.copy_s[-1], workers)
+
+    def substitute(self, sharded_state_dict) -> None:
+        """In a sharded state dict built for saving: each ShardedTensor whose data is a whole host view gets
+        that entry's snapshot instead (the same values: taken just before)."""
+        if not self.tensors:
+            return
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+        by_ptr = {e.host.data_ptr(): (e, snap) for e, snap in self.tensors.values()}
+        stack = [sharded_state_dict]
+        while stack:
+            x = stack.pop()
+            if isinstance(x, dict):
+                stack.extend(x.values())
+            elif isinstance(x, (list, tuple)):
+                stack.extend(x)
+            elif isinstance(x, ShardedTensor):
+                t = x.data
+                on_host = getattr(t, "device", None) is not None and t.device.type == "cpu"
+                hit = by_ptr.get(t.data_ptr()) if on_host else None
+                if hit is None:
+                    continue
+                e, snap = hit
+                if t.dtype != e.dtype or t.numel() * t.element_size() != e.nbytes or not t.is_contiguous():
+                    continue  # a part of a view, not the whole entry: left to the writer's own copy
+                self.take()
+                x.data = snap.view(t.shape)
+                self.served += 1

@@ -1,0 +1,204 @@
+#!/usr/bin/env python3
+"""Issue 43's summary: checkpoint I/O with and without offload, from scripts/gpu/bench_ckpt.sh's runs.
+
+  python3 scripts/ckpt_summary.py RESULTS_DIR [--link-gbs 45]      # prints the summary (summary.txt)
+  python3 scripts/ckpt_summary.py --compare OUT.json BASE_CKPT BUILTIN_CKPT ITER...   # GROUP_compare.json
+
+Each run is RESULTS_DIR/GROUP_MODE_rN.json (scripts/bench_offload.py run's output; a data-parallel run's
+rank 1 beside it as .rank1.json), GROUP one of one-dp, one-full, dp2-dp, dp2-full, MODE base or builtin;
+GROUP_compare.json holds the checkpoint comparison. Per group and mode, over the runs: medians and spread
+(min-max) of model-and-optimizer setup, the pinning within it (builtin), the load, the first iteration after
+it, the steady step, the first asynchronous save's stall, the next one's, the synchronous save, the host's
+RSS peak and /dev/shm; then the targets: async stall, sync save and load each at most 1.1x without offload,
+the first iteration after a load at most 1.1x builtin's steady step, setup at most no offload's plus the
+masters' bytes over the link (--link-gbs) plus the pinning, and the checkpoints identical. Every data-parallel
+figure is the slower rank's.
+
+Imports neither torch nor Megatron.
+"""
+import argparse
+import glob
+import json
+import os
+import re
+import statistics
+
+TARGET = 1.1
+GROUPS = ("one-dp", "one-full", "dp2-dp", "dp2-full")
+RUN = re.compile(r"^(?P<group>[a-z0-9-]+)_(?P<mode>base|builtin)_r(?P<rep>\d+)\.json$")
+
+
+def _load(path):
+    try:
+        with open(path) as f:
+            return json.load(f)["summary"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def figures(s):
+    """One rank's figures of one run (None where the run did not record it)."""
+    stalls, syncs = s.get("async_stalls_s") or [], s.get("sync_saves_s") or []
+    masters = sum(x.get("bytes", 0) for x in s.get("pins") or [] if x.get("during") == "model-and-optimizer-setup")
+    return {
+        "setup_s": s.get("setup_s"), "setup_pin_s": s.get("setup_pin_s"), "landing_bytes": masters or None,
+        "load_s": s.get("load_s"), "load_pin_s": s.get("load_pin_s"),
+        "first_after_load_s": s.get("first_iter_after_load_s"), "steady_s": s.get("steady_after_first_median_s"),
+        "async_first_s": stalls[0] if stalls else None, "async_next_s": stalls[1] if len(stalls) > 1 else None,
+        "sync_save_s": syncs[0] if syncs else None,
+        "rss_peak_gib": s.get("host_peak_rss_gib"), "shm_max_gib": s.get("max_shm_used_gib"),
+    }
+
+
+def slowest(ranks):
+    """Over a run's ranks: the largest of each figure (a data-parallel run waits for its slowest rank)."""
+    out = {}
+    for key in ranks[0]:
+        vals = [r[key] for r in ranks if r.get(key) is not None]
+        out[key] = max(vals) if vals else None
+    return out
+
+
+def collect(results):
+    """{group: {mode: [figures of each run]}}"""
+    out = {}
+    for path in sorted(glob.glob(os.path.join(results, "*.json"))):
+        m = RUN.match(os.path.basename(path))
+        if not m:
+            continue
+        s = _load(path)
+        if s is None:
+            continue
+        ranks = [figures(s)] + [figures(r) for r in map(_load, sorted(glob.glob(path[:-5] + ".rank*.json"))) if r]
+        out.setdefault(m["group"], {}).setdefault(m["mode"], []).append(slowest(ranks))
+    return out
+
+
+def stat(values):
+    vals = [v for v in values if v is not None]
+    if not vals:
+        return None
+    return {"median": statistics.median(vals), "min": min(vals), "max": max(vals), "n": len(vals)}
+
+
+def fmt(st, unit="s"):
+    if st is None:
+        return "-"
+    return f"{st['median']:.3f} {unit} ({st['min']:.3f}-{st['max']:.3f}, n={st['n']})"
+
+
+def ratio_line(name, base, ours, limit=TARGET):
+    if base is None or ours is None or not base["median"]:
+        return f"  {name}: not measured", None
+    r = ours["median"] / base["median"]
+    return f"  {name}: {ours['median']:.3f} / {base['median']:.3f} s = {r:.2f}x (target <= {limit}x: " \
+           f"{'MET' if r <= limit else 'NOT met'})", r <= limit
+
+
+KEYS = (("setup_s", "model-and-optimizer setup"), ("setup_pin_s", "  of which pinning (landing block)"),
+        ("load_s", "load"), ("load_pin_s", "  of which pinning beside the load (waited)"),
+        ("first_after_load_s", "first iteration after the load"), ("steady_s", "steady step"),
+        ("async_first_s", "async save stall, first"),
+        ("async_next_s", "async save stall, the next (finishes the first)"),
+        ("sync_save_s", "sync save"), ("rss_peak_gib", "host RSS peak"), ("shm_max_gib", "/dev/shm at most"))
+
+
+def summarize(results, link_gbs=45.0):
+    runs = collect(results)
+    lines, verdicts = [], {}
+    for group in [g for g in GROUPS if g in runs] + sorted(set(runs) - set(GROUPS)):
+        lines.append(f"== {group} ==")
+        stats = {mode: {k: stat([r[k] for r in runs[group].get(mode, [])]) for k, _ in KEYS}
+                 for mode in ("base", "builtin")}
+        for key, name in KEYS:
+            unit = "GiB" if key.endswith("gib") else "s"
+            lines.append(f"{name:48s} base {fmt(stats['base'][key], unit):32s} "
+                         f"builtin {fmt(stats['builtin'][key], unit)}")
+        base, ours = stats["base"], stats["builtin"]
+        checks = []
+        for key, name in (("async_first_s", "async stall, first"), ("async_next_s", "async stall, the next"),
+                          ("sync_save_s", "sync save"), ("load_s", "load")):
+            line, ok = ratio_line(name, base[key], ours[key])
+            lines.append(line)
+            checks.append(ok)
+        if ours["first_after_load_s"] and ours["steady_s"]:
+            r = ours["first_after_load_s"]["median"] / ours["steady_s"]["median"]
+            ok = r <= TARGET
+            lines.append(f"  first iteration after the load / builtin's steady step: {r:.2f}x (target <= {TARGET}x: "
+                         f"{'MET' if ok else 'NOT met'})")
+            checks.append(ok)
+        if base["setup_s"] and ours["setup_s"]:
+            landing = [r["landing_bytes"] for r in runs[group].get("builtin", []) if r["landing_bytes"]]
+            link_s = (statistics.median(landing) / (link_gbs * 1e9)) if landing else 0.0
+            pin = ours["setup_pin_s"]["median"] if ours["setup_pin_s"] else 0.0
+            added = ours["setup_s"]["median"] - base["setup_s"]["median"]
+            ok = added <= link_s + pin + 0.05  # 50 ms of timer noise
+            lines.append(f"  setup adds {added:.3f} s; allowed: the masters over the link {link_s:.3f} s (at "
+                         f"{link_gbs} GB/s) + the pinning {pin:.3f} s ({'MET' if ok else 'NOT met'})")
+            checks.append(ok)
+        compare = _compare(results, group)
+        lines.append(f"  checkpoints builtin vs base: {compare[0]}")
+        checks.append(compare[1])
+        verdicts[group] = all(c is True for c in checks)
+        lines.append(f"  all targets: {'MET' if verdicts[group] else 'NOT all met'}")
+    return "\n".join(lines), verdicts
+
+
+def _compare(results, group):
+    path = os.path.join(results, f"{group}_compare.json")
+    try:
+        with open(path) as f:
+            rows = json.load(f)
+    except (OSError, ValueError):
+        return "not compared", None
+    ok = all(r.get("identical") for r in rows) and bool(rows)
+    text = "; ".join(f"iteration {r.get('iteration')}: " + ("identical" if r.get("identical") else
+                                                            f"DIFFER {r.get('differing') or r.get('error')}")
+                     for r in rows)
+    return text, ok
+
+
+def compare(out, base, ours, iterations):
+    """Each iteration's checkpoint of the builtin run against the base run's, entry by entry
+    (scripts/check_checkpoint.py, tensors bit for bit), into `out`."""
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import check_checkpoint
+
+    rows = []
+    for it in iterations:
+        a, b = (os.path.join(d, f"iter_{it:07d}") for d in (base, ours))
+        row = {"iteration": it, "base": a, "builtin": b}
+        missing = [p for p in (a, b) if not os.path.exists(os.path.join(p, ".metadata"))]
+        if missing:
+            row.update(identical=False, error=f"no torch_dist checkpoint at {', '.join(missing)}")
+        else:
+            diff = check_checkpoint.differing(a, b)
+            row.update(identical=not diff, n_differing=len(diff), differing=diff[:10])
+        rows.append(row)
+    with open(out, "w") as f:
+        json.dump(rows, f, indent=1)
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("results", nargs="+", help="RESULTS_DIR; with --compare: OUT.json BASE_CKPT BUILTIN_CKPT ITER...")
+    ap.add_argument("--compare", action="store_true", help="compare two runs' checkpoints instead")
+    ap.add_argument("--link-gbs", type=float, default=45.0,
+                    help="host link speed for the masters' copy allowed in setup (GB/s; the H100's, measured)")
+    args = ap.parse_args()
+    if args.compare:
+        if len(args.results) < 4:
+            ap.error("--compare OUT.json BASE_CKPT BUILTIN_CKPT ITER...")
+        out, base, ours, *its = args.results
+        for row in compare(out, base, ours, [int(i) for i in its]):
+            print(f"iteration {row['iteration']}: {'identical' if row['identical'] else 'DIFFER'}")
+        return
+    text, _ = summarize(args.results[0], args.link_gbs)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

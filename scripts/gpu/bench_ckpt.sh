@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Usage (on a two-GPU device, under run_kit.sh --te /tmp/te): scripts/gpu/bench_ckpt.sh [GROUP...]
+#   GROUP: one-dp, one-full (one GPU), dp2-dp, dp2-full (data-parallel 2); -dp: dp_reshardable (Bridge's
+#   default), -full: fully_reshardable. Default: all four (more than one device call holds: see below).
+# Issue 43: checkpoint I/O with and without offload. Per group, one base run saves a checkpoint at
+# iteration 2 (PREP); then REPS runs of each mode (base, builtin), interleaved, each resumed from it (the
+# load, the first iteration after it, setup), training to 8 and saving every 2 iterations: at 4
+# asynchronously (the first stall), at 6 asynchronously (the next one; with offload it finishes the first
+# if pending), at 8 synchronously (BENCH_SYNC_AT). The first run of each mode keeps its checkpoints, compared
+# byte for byte at 4 and 8 (scripts/ckpt_summary.py --compare); every other checkpoint is removed at once.
+# A run is skipped when fewer than MIN_S seconds remain before DEADLINE_S or when its JSON exists (a later
+# call on the same warm machine goes on where the last stopped). Ends with summary.txt (medians, spread,
+# ratios against the targets); results and logs in /tmp/i43, tarred into $OUT.
+# The model: the 887M model's shape with LAYERS layers (default 4, about 0.32B parameters, a 3.8 GB
+# checkpoint) so that a group's 7 runs fit about 4.5 minutes; LAYERS=16 is the 887M model itself (about
+# 2.5x longer runs: one group a call).
+set -u
+DEADLINE_S=${DEADLINE_S:-540}
+MIN_S=${MIN_S:-45}
+REPS=${REPS:-3}
+LAYERS=${LAYERS:-4}
+OPT=${OPT:-te}
+R=/tmp/i43; CK=/tmp/i43ck; mkdir -p $R $CK
+source "$(dirname "${BASH_SOURCE[0]}")/deadline_runs.sh"   # run NAME CMD..., left, PATCH, start
+B="scripts/bench_offload.py run --optimizer $OPT --layers $LAYERS"
+cmd() {  # cmd LAYOUT MODE: the launch of one run
+  local launch
+  case $1 in
+    one) launch="python3 $B" ;;
+    dp2) launch="torchrun --standalone --nproc-per-node 2 $B" ;;
+  esac
+  case $2 in
+    base) echo "$launch --mode base" ;;
+    builtin) echo "$PATCH $launch --mode builtin" ;;
+  esac
+}
+group() {  # group NAME LAYOUT FORMAT-ARGS...
+  local g=$1 layout=$2; shift 2
+  local fmt="$*"
+  run ${g}_prep $(cmd $layout base) --iters 2 --save $CK/$g/prep --save-interval 2 $fmt
+  for rep in $(seq 1 $REPS); do
+    for mode in base builtin; do
+      local name=${g}_${mode}_r${rep}
+      run $name env BENCH_SYNC_AT=8 $(cmd $layout $mode) --iters 8 --load $CK/$g/prep --ckpt-step 2 \
+        --save $CK/$g/$name --save-interval 2 --async-save $fmt
+      [[ $rep == 1 ]] || rm -rf $CK/$g/$name
+    done
+  done
+  if [[ ! -f $R/${g}_compare.json && -d $CK/$g/${g}_base_r1 && -d $CK/$g/${g}_builtin_r1 ]]; then
+    python3 scripts/ckpt_summary.py --compare $R/${g}_compare.json $CK/$g/${g}_base_r1 $CK/$g/${g}_builtin_r1 4 8 \
+      > $R/${g}_compare.log 2>&1
+    echo "COMPARE $g: $(tr '\n' ' ' < $R/${g}_compare.log)"
+  fi
+  [[ $(left) -lt $MIN_S && ! -f $R/${g}_compare.json ]] || rm -rf $CK/$g  # kept only while a later call needs it
+}
+[[ $# -gt 0 ]] || set -- one-dp one-full dp2-dp dp2-full
+for g in "$@"; do
+  case $g in
+    one-dp) group one-dp one ;;
+    one-full) group one-full one --fully-reshardable ;;
+    dp2-dp) group dp2-dp dp2 ;;
+    dp2-full) group dp2-full dp2 --fully-reshardable ;;
+    *) echo "unknown group $g (one-dp, one-full, dp2-dp, dp2-full)" >&2 ;;
+  esac
+done
+python3 scripts/ckpt_summary.py $R | tee $R/summary.txt
+df -h /tmp /dev/shm | tee -a $R/summary.txt
+if [[ -n "${OUT:-}" ]]; then
+  tar czf "$OUT/i43-$(date +%H%M).tgz" -C /tmp i43
+  cp $R/summary.txt "$OUT/summary.txt"
+fi

@@ -1,0 +1,140 @@
+"""Issue 43's benchmark pieces on CPU: what each run records about setup, loads and saves
+(scripts/bench_saves.py, with Megatron-Core's real Timer and bridge_fgo's real hostmem.pin), the summary of
+scripts/gpu/bench_ckpt.sh's runs (scripts/ckpt_summary.py) on made-up results, its checkpoint comparison
+on real torch.distributed.checkpoint directories, and the shell script's syntax."""
+import importlib
+import json
+import os
+import subprocess
+import types
+
+import pytest
+
+from test_bench_modes import bench_modes  # noqa: F401  (scripts/ is on sys.path from here on)
+from test_bench_saves import state, write
+
+saves = importlib.import_module("bench_saves")
+summary = importlib.import_module("ckpt_summary")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def restore_patched(monkeypatch):
+    """Whatever instrument_setup rebinds is put back after the test."""
+    from megatron.core import timers
+
+    from bridge_fgo import hostmem
+    from bridge_fgo.hostmem import pinning
+
+    for obj, name in ((timers.Timer, "start"), (timers.Timer, "stop"), (hostmem, "pin"),
+                      (pinning.PinnedHost, "wait")):
+        monkeypatch.setattr(obj, name, getattr(obj, name))
+
+
+def test_setup_and_load_timers_and_the_pinning_are_recorded(restore_patched, monkeypatch):
+    import torch
+    from megatron.core import timers
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)  # the Timer's fence; no GPU here
+
+    from bridge_fgo import hostmem
+
+    held = {}
+    saves.instrument_setup(held)
+    t = timers.Timers(0, "minmax")
+    t("model-and-optimizer-setup", log_level=0).start()
+    buf = hostmem.pin(4096)  # the construction's landing block pins during setup
+    t("model-and-optimizer-setup").stop()
+    t("load-checkpoint", log_level=0).start()
+    t("load-checkpoint").stop()
+    buf.free()
+    recs = [{"step_s": 2.0}, {"step_s": 1.0}, {"step_s": 1.2}]
+    got = saves.setup_figures(held, recs)
+    assert got["setup_s"] > 0 and got["load_s"] >= 0
+    (pin,) = got["pins"]
+    assert pin["bytes"] == 4096 and pin["during"] == "model-and-optimizer-setup" and not pin["deferred"]
+    assert got["setup_pin_s"] == pin["pin_s"] and got["load_pin_s"] == 0
+    assert got["first_iter_after_load_s"] == 2.0 and got["steady_after_first_median_s"] == 1.1
+    assert got["host_after_setup"]["rss_gib"] > 0 and "rss_gib" in got["host_after_load"]
+    fresh = saves.setup_figures({"timers": {"model-and-optimizer-setup": 1.0}}, recs)
+    assert fresh["first_iter_after_load_s"] is None and fresh["load_s"] is None  # no load: no figure
+
+
+def test_the_saves_named_in_bench_sync_at_are_synchronous(monkeypatch):
+    import megatron.bridge.training.checkpointing as ckpt
+
+    seen = []
+    monkeypatch.setattr(ckpt, "save_checkpoint", lambda state, *a, **k: seen.append(state.cfg.checkpoint.async_save))
+    monkeypatch.setattr(ckpt, "maybe_finalize_async_save", lambda *a, **k: None)
+    monkeypatch.setenv("BENCH_SYNC_AT", "8")
+    recorded = []
+    saves.instrument(recorded, [])
+    cfg = types.SimpleNamespace(checkpoint=types.SimpleNamespace(async_save=True))
+    queue = types.SimpleNamespace(get_num_unfinalized_calls=lambda: 1)
+    for it in (4, 6, 8):
+        st = types.SimpleNamespace(train_state=types.SimpleNamespace(step=it), cfg=cfg, async_calls_queue=queue)
+        ckpt.save_checkpoint(st)
+    assert seen == [True, True, False] and cfg.checkpoint.async_save  # off for that call only
+    assert [(r["iteration"], r["async"], r["pending_before"]) for r in recorded] == [(4, True, 1), (6, True, 1),
+                                                                                      (8, False, 1)]
+    s = saves.summarize([{"iter": 5, "step_s": 1.0}], recorded, [])
+    assert len(s["async_stalls_s"]) == 2 and len(s["sync_saves_s"]) == 1
+
+
+def fake_run(path, setup, load, first, steady, stalls, sync, pins=(), rank1=None):
+    s = {"setup_s": setup, "load_s": load, "first_iter_after_load_s": first, "steady_after_first_median_s": steady,
+         "async_stalls_s": list(stalls), "sync_saves_s": [sync], "host_peak_rss_gib": 12.0, "max_shm_used_gib": 5.0,
+         "pins": list(pins), "setup_pin_s": sum(p.get("pin_s", 0) for p in pins)}
+    with open(path, "w") as f:
+        json.dump({"summary": s}, f)
+    if rank1 is not None:
+        with open(path.replace(".json", ".rank1.json"), "w") as f:
+            json.dump({"summary": {**s, **rank1}}, f)
+
+
+def test_the_summary_gives_medians_spread_and_each_target(tmp_path):
+    landing = [{"bytes": 45 * 10**9 // 10, "pin_s": 0.2, "during": "model-and-optimizer-setup"}]  # 0.1 s at 45 GB/s
+    for rep, jitter in ((1, 0.0), (2, 0.1), (3, -0.1)):
+        fake_run(str(tmp_path / f"one-dp_base_r{rep}.json"), 1.0, 10.0 + jitter, 0.6, 0.5, (6.0, 9.0), 12.0)
+        fake_run(str(tmp_path / f"one-dp_builtin_r{rep}.json"), 1.3, 10.5, 0.62, 0.6, (6.2, 9.1), 11.0, landing)
+        fake_run(str(tmp_path / f"dp2-dp_base_r{rep}.json"), 1.0, 10.0, 0.4, 0.4, (6.0, 9.45), 12.0)
+        # data-parallel: the slower rank counts (rank 1's load here)
+        fake_run(str(tmp_path / f"dp2-dp_builtin_r{rep}.json"), 1.0, 10.0, 0.4, 0.4, (9.88, 16.13), 12.0,
+                 rank1={"load_s": 15.1})
+    (tmp_path / "one-dp_compare.json").write_text(json.dumps([{"iteration": 4, "identical": True},
+                                                              {"iteration": 8, "identical": True}]))
+    (tmp_path / "dp2-dp_compare.json").write_text(json.dumps([{"iteration": 4, "identical": False,
+                                                              "differing": ["optimizer.x"]}]))
+    (tmp_path / "one-dp_prep.json").write_text("{}")  # not a measured run
+    text, verdicts = summary.summarize(str(tmp_path))
+    assert verdicts == {"one-dp": True, "dp2-dp": False}
+    assert "load" in text and "10.000 s (9.900-10.100, n=3)" in text
+    assert "async stall, first: 6.200 / 6.000 s = 1.03x (target <= 1.1x: MET)" in text
+    assert "async stall, first: 9.880 / 6.000 s = 1.65x (target <= 1.1x: NOT met)" in text
+    assert "load: 15.100 / 10.000 s = 1.51x" in text  # rank 1's
+    assert ("setup adds 0.300 s; allowed: the masters over the link 0.100 s (at 45.0 GB/s) + the pinning 0.200 s "
+            "(MET)") in text
+    assert "iteration 4: DIFFER ['optimizer.x']" in text
+
+
+def test_the_comparison_reads_both_checkpoints_entry_by_entry(tmp_path):
+    import torch
+
+    for run, value in (("base", 0.0), ("builtin", 0.0)):
+        write(tmp_path / run / "iter_0000004", **state())
+        write(tmp_path / run / "iter_0000008", **state(**{"optimizer.exp_avg": torch.full((6,), value)}))
+    write(tmp_path / "other" / "iter_0000004", **state(**{"optimizer.exp_avg": torch.ones(6)}))
+    out = str(tmp_path / "c.json")
+    rows = summary.compare(out, str(tmp_path / "base"), str(tmp_path / "builtin"), [4, 8])
+    assert [r["identical"] for r in rows] == [True, True] and json.load(open(out)) == rows
+    rows = summary.compare(out, str(tmp_path / "base"), str(tmp_path / "other"), [4, 8])
+    assert rows[0]["differing"] == ["optimizer.exp_avg"] and "no torch_dist checkpoint" in rows[1]["error"]
+
+
+def test_the_gpu_script_parses_and_names_its_groups():
+    script = os.path.join(ROOT, "scripts", "gpu", "bench_ckpt.sh")
+    subprocess.run(["bash", "-n", script], check=True)
+    text = open(script).read()
+    for group in summary.GROUPS:
+        assert f"{group})" in text
+    assert "BENCH_SYNC_AT=8" in text and "ckpt_summary.py --compare" in text and "DEADLINE_S" in text
