@@ -64,6 +64,10 @@ class BuiltinAdapter:
         if self.fit is None:
             self.check()
         logger.info("%s%s", rank_prefix(), self.fit.describe())
+        if self.chunk_mb and any(part.fsdp is not None for part in self.engine.parts):
+            from .fsdp import UNVERIFIED
+
+            logger.warning("%s%s", rank_prefix(), UNVERIFIED)
         self.engine.prepare()
         logger.info("%sbuiltin engine ready before the first step: %s; %d bytes of %s host buffer in %.2f s; %s",
                     rank_prefix(), ", ".join(self.engine.optimizers()) or "no optimizer",

@@ -314,6 +314,13 @@ class _Presented:
         return torch.empty(0, dtype=self._mbuf.dtype, device=self._mbuf.device)
 
 
+# Where this path stands, said once per rank while it is not yet checked on a GPU (docs/benchmarks.md)
+UNVERIFIED = ("Megatron-FSDP under the streamed step is checked on CPU against Megatron-FSDP's own buffers and "
+              "copy (tests/test_fsdp.py) but not yet on a GPU: its one GPU run so far (2xH200, 2026-11-27) stopped "
+              "before step 1 on a case since fixed. Compare the first steps' losses with a run without offload, "
+              "or drop offload for this run")
+
+
 def problems(opt) -> List[str]:
     """What the streamed step cannot serve of this Megatron-FSDP optimizer, each naming the field."""
     out = []
