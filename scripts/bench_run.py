@@ -227,8 +227,8 @@ def run(args):
     wall = time.perf_counter() - t0
     if recs:  # the last iteration's final phase and what ran after it (a checkpoint save at the end)
         recs[-1]["tail_peak_gib"] = torch.cuda.max_memory_allocated() / GIB
-    h, meta = (fsdp_layout.digest(held["model"], held["optimizer"]) if fsdp_layout.is_fsdp(held["model"])
-               else params_digest(held["model"]))
+    h, meta = ((fsdp_layout.digest(held["model"], held["optimizer"]), fp8_meta_digest(held["model"]))
+               if fsdp_layout.is_fsdp(held["model"]) else params_digest(held["model"]))
     steady = [r for r in recs if r["iter"] > 2]
     rank = int(os.environ.get("RANK", "0"))
     summary = {
@@ -311,15 +311,36 @@ def dump_layout(args, phase, model, optimizer):
         json.dump(desc, f, indent=1, default=str)
 
 
-def params_digest(model):
-    """(sha256 of every parameter's bytes, FP8 parameters as their FP8 data and scales; sha256 of every TE
-    module's fp8_meta amax history and scale, or None without FP8)."""
+def feed(h, t):
+    """The bytes of `t` into the hash `h`."""
     import torch
 
-    def feed(h, t):
-        h.update(t.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes())
+    h.update(t.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes())
 
-    h, m, any_meta = hashlib.sha256(), hashlib.sha256(), False
+
+def fp8_meta_digest(model):
+    """sha256 of every TE module's fp8_meta amax history and scale, or None without FP8."""
+    import torch
+
+    m, any_meta = hashlib.sha256(), False
+    for chunk in model:
+        for mod in chunk.modules():
+            fp8_meta = getattr(mod, "fp8_meta", None)
+            if isinstance(fp8_meta, dict):
+                for key in ("scaling_fwd", "scaling_bwd"):
+                    s = fp8_meta.get(key)
+                    for t in (getattr(s, "amax_history", None), getattr(s, "scale", None)):
+                        if isinstance(t, torch.Tensor):
+                            feed(m, t.view(-1))
+                            any_meta = True
+    return m.hexdigest() if any_meta else None
+
+
+def params_digest(model):
+    """(sha256 of every parameter's bytes, FP8 parameters as their FP8 data and scales; fp8_meta_digest)."""
+    import torch
+
+    h = hashlib.sha256()
     for chunk in model:  # every virtual-pipeline chunk of this rank
         for p in chunk.parameters():
             fields = [getattr(p, f, None) for f in QUANTIZED_FIELDS]
@@ -333,16 +354,7 @@ def params_digest(model):
                         feed(h, t.view(-1))
             else:
                 feed(h, p)
-        for mod in chunk.modules():
-            fp8_meta = getattr(mod, "fp8_meta", None)
-            if isinstance(fp8_meta, dict):
-                for key in ("scaling_fwd", "scaling_bwd"):
-                    s = fp8_meta.get(key)
-                    for t in (getattr(s, "amax_history", None), getattr(s, "scale", None)):
-                        if isinstance(t, torch.Tensor):
-                            feed(m, t.view(-1))
-                            any_meta = True
-    return h.hexdigest(), (m.hexdigest() if any_meta else None)
+    return h.hexdigest(), fp8_meta_digest(model)
 
 
 def bandwidth(gib=2, reps=5):

@@ -134,17 +134,16 @@ def is_fsdp(model) -> bool:
                                                                                "parameter_groups") for c in model)
 
 
-def digest(model, optimizer):
-    """(sha256 of this rank's shards: every optimizer parameter's local tensor (the fp32 masters), every
-    group's model-weight and transpose buffers (bf16 weights or FP8 data), the FP8 parameters' scales; sha256
-    of TE's fp8_meta or None)."""
+def digest(model, optimizer) -> str:
+    """sha256 of this rank's shards: every optimizer parameter's local tensor (the fp32 masters), every
+    group's model-weight and transpose buffers (bf16 weights or FP8 data), the FP8 parameters' scales (TE's
+    fp8_meta: bench_run.fp8_meta_digest)."""
     import torch
     from torch.distributed.tensor import DTensor
 
-    def feed(h, t):
-        h.update(t.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes())
+    from bench_run import feed
 
-    h, m, any_meta = hashlib.sha256(), hashlib.sha256(), False
+    h = hashlib.sha256()
     for _, inner in _inner(optimizer):
         for g in inner.param_groups:
             for p in g["params"]:
@@ -166,13 +165,4 @@ def digest(model, optimizer):
                 for t in (getattr(q, "scale", None), getattr(q, "amax", None)):
                     if isinstance(t, torch.Tensor) and t.numel():
                         feed(h, t.reshape(-1))
-        for mod in chunk.modules():
-            fp8_meta = getattr(mod, "fp8_meta", None)
-            if isinstance(fp8_meta, dict):
-                for key in ("scaling_fwd", "scaling_bwd"):
-                    s = fp8_meta.get(key)
-                    for t in (getattr(s, "amax_history", None), getattr(s, "scale", None)):
-                        if isinstance(t, torch.Tensor):
-                            feed(m, t.view(-1))
-                            any_meta = True
-    return h.hexdigest(), (m.hexdigest() if any_meta else None)
+    return h.hexdigest()

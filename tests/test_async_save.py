@@ -565,10 +565,15 @@ def test_a_shared_storage_of_its_own_is_neither_cloned_nor_moved():
     moved = view.untyped_storage().data_ptr()
     ForkingPickler.dumps(view)
     assert view.untyped_storage().data_ptr() != moved  # the whole storage copied into shared memory
-    # the persistent worker drops each request once written: only GPU tensors are cached there
-    worker = inspect.getsource(__import__("nvidia_resiliency_ext.checkpointing.async_ckpt.core", fromlist=["_"])
-                               .PersistentAsyncCaller.async_process_target)
-    assert "del item" in worker and "gc.collect()" in worker
+    # the persistent worker writes nothing of a request after saying it is done: 0.6.0 drops it then (only GPU
+    # tensors are cached there); 0.4.1 (Bridge 0.3.1's) holds the last one until the next arrives, unread
+    caller = __import__("nvidia_resiliency_ext.checkpointing.async_ckpt.core", fromlist=["_"]).PersistentAsyncCaller
+    if hasattr(caller, "async_process_target"):
+        worker = inspect.getsource(caller.async_process_target)
+        assert "del item" in worker and "gc.collect()" in worker
+    else:
+        worker = inspect.getsource(caller.async_loop)
+        assert worker.index("item.async_fn(") < worker.index("comp_q.put(item.call_idx)")
 
 
 def _writer_tensors(monkeypatch):

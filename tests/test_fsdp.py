@@ -24,17 +24,7 @@ def gloo():
         yield
 
 
-def step(opt, engine=None):
-    if engine is not None:
-        engine.offload()
-        engine.release()
-        engine.reload()
-    try:
-        opt.step_states()
-    finally:
-        if engine is not None:
-            engine.settle()
-            engine.synchronize()
+step = harness.engine_step
 
 
 def assert_same(a, b):
@@ -273,3 +263,56 @@ def test_megatron_fsdp_copy_outside_an_update_reads_the_host_masters(gloo):
     hooked = pgb.copy_main_weights_to_model_weights
     engine.close()
     assert pgb.copy_main_weights_to_model_weights is not hooked  # put back as it was
+
+
+def test_an_inner_load_holds_one_state_at_a_time_off_the_host(gloo):
+    """Transformer Engine's load_state_dict remakes every state (DTensor.from_local moves a host local to the
+    mesh's device) and torch's casts each loaded state to its parameter's device (the GPU, for Megatron-FSDP's
+    DTensors): each state TE sets is taken into its host view at once, and a loaded DTensor state on the host
+    keeps its device through torch's cast."""
+    from torch.optim import Optimizer
+
+    ref = fsdp.make_optimizer(harness.Recorder(), optimizer="te")
+    step(ref)
+    opt = fsdp.make_optimizer(harness.Recorder(), optimizer="te")
+    engine = StreamedEngine([opt], 40_000)
+    engine.prepare()  # the states made in their host views before the load
+    # what an fsdp_dtensor load hands the optimizer: its own states (DTensors over the host views), written in
+    # place by DCP, keyed by position as Megatron-Core's FSDP branch of load_state_dict passes them
+    params = [p for g in opt.optimizer.param_groups for p in g["params"]]
+    ref_params = [p for g in ref.optimizer.param_groups for p in g["params"]]
+    for p, q in zip(params, ref_params):
+        for name, value in opt.optimizer.state[p].items():
+            value._local_tensor.copy_(ref.optimizer.state[q][name]._local_tensor)
+    saved = {"state": {i: dict(opt.optimizer.state[p]) for i, p in enumerate(params)},
+             "param_groups": opt.optimizer.state_dict()["param_groups"]}
+    part = engine.plan.parts[0]
+    b = part.bindings
+    off_host, real = [], type(opt.optimizer).set_scaled_state
+
+    def counted(self, param, name, unscaled):
+        off_host.append(sum(1 for bd in part.bundles for e in bd.entries if e.kind != "master"
+                            and b.get(e) is not None and not (b.get(e).data_ptr() == e.host.data_ptr())))
+        return real(self, param, name, unscaled)
+
+    cast = Optimizer.__dict__["_process_value_according_to_param_policy"]
+    type(opt.optimizer).set_scaled_state = counted
+    try:
+        with engine.readers._fsdp_states_on_host(opt.optimizer):
+            assert Optimizer.__dict__["_process_value_according_to_param_policy"] is not cast
+            p = opt.optimizer.param_groups[0]["params"][0]
+            host_state = opt.optimizer.state[p]["exp_avg"]
+            assert Optimizer._process_value_according_to_param_policy(
+                p, host_state, 0, opt.optimizer.param_groups, "exp_avg") is host_state
+        assert Optimizer.__dict__["_process_value_according_to_param_policy"] is cast
+        opt.optimizer.load_state_dict(saved)  # through the engine's load hook
+    finally:
+        type(opt.optimizer).set_scaled_state = real
+    assert off_host and max(off_host) == 0  # each state taken as soon as it was set
+    assert Optimizer.__dict__["_process_value_according_to_param_policy"] is cast
+    engine.after_load()
+    assert engine.plan.on_host()
+    for p, q in zip(params, ref_params):  # the loaded values, in the host views
+        for name, value in opt.optimizer.state[p].items():
+            assert torch.equal(value._local_tensor, ref.optimizer.state[q][name]._local_tensor)
+    engine.close()

@@ -75,20 +75,7 @@ def measured(**figures):
     return Given()
 
 
-def step(opt, engine=None, wait=True):
-    """One optimizer step through the engine's sites, as the patched train_step drives them; `wait`:
-    then read directly, as a test's snapshot does (a direct reader synchronizes first)."""
-    if engine is not None:
-        engine.offload()
-        engine.release()
-        engine.reload()
-    try:
-        opt.step_states()
-    finally:
-        if engine is not None:
-            engine.settle()
-            if wait:
-                engine.synchronize()
+step = harness.engine_step
 
 
 @contextlib.contextmanager

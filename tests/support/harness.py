@@ -450,3 +450,19 @@ def run_steps(rig: Rig, steps: int = 1, reruns: int = 1, train_step: Optional[Ca
             fn = train_step or train_module.train_step
             out.append(fn(*rig.args()))
     return out
+
+
+def engine_step(opt, engine=None, wait=True):
+    """One optimizer step through a streamed engine's sites, as the patched train_step drives them; `wait`:
+    then read directly, as a test's snapshot does (a direct reader synchronizes first)."""
+    if engine is not None:
+        engine.offload()
+        engine.release()
+        engine.reload()
+    try:
+        opt.step_states()
+    finally:
+        if engine is not None:
+            engine.settle()
+            if wait:
+                engine.synchronize()

@@ -189,7 +189,7 @@ class Readers:
         inner = inner_ref()
         self.plan.writes += 1  # the load writes the masters (here, or in the same DistributedOptimizer load)
         try:
-            with self._params_on_host(inner):
+            with self._params_on_host(inner), self._fsdp_states_on_host(inner):
                 result = (prior(*args, **kwargs) if prior is not None
                           else type(inner).load_state_dict(inner, *args, **kwargs))
         except BaseException:
@@ -275,6 +275,60 @@ class Readers:
             yield
         finally:  # every parameter back on its own storage, an interrupt between two of them included
             each(swapped, _bind_back)
+
+    @contextlib.contextmanager
+    def _fsdp_states_on_host(self, inner):
+        """During the inner load of a Megatron-FSDP optimizer (engine/fsdp.py), whose parameters are DTensors on
+        the GPU over host masters: torch's load_state_dict casts each loaded state to its parameter's device,
+        and Transformer Engine's remakes each with DTensor.from_local, which moves a host local tensor to the
+        mesh's device; either would hold every state on the GPU at once until the load returns. So a loaded
+        DTensor state whose local tensor is on the host stays there (the cast keeps its device), and each state
+        TE makes is taken into its host view as soon as it is set (set_scaled_state): the GPU holds one
+        state at a time."""
+        part = next((p for p in self.plan.parts if p.inner is inner and p.fsdp is not None), None)
+        if part is None or self.transfers.buffer is None:
+            yield
+            return
+        from torch.optim import Optimizer
+
+        from .. import fsdp
+
+        params = {id(bd.param) for bd in part.bundles}
+        cast = Optimizer.__dict__["_process_value_according_to_param_policy"]
+
+        def kept_where_it_is(param, value, param_id, param_groups, key=None):
+            if (id(param) in params and key != "step" and fsdp.is_dtensor(value)
+                    and fsdp.local(value).device.type == "cpu"):
+                return value.to(dtype=param.dtype) if param.is_floating_point() else value
+            return cast.__func__(param, value, param_id, param_groups, key)
+
+        by_param = {}
+        for bd in part.bundles:
+            if not bd.resident:
+                by_param[id(bd.param)] = [e for e in bd.entries if e.kind != MASTER and not e.dropped]
+        b = part.bindings
+        prior = inner.__dict__.get("set_scaled_state")
+        set_scaled = getattr(type(inner), "set_scaled_state", None)
+
+        def set_and_take(param, name, *args, **kwargs):
+            out = prior(param, name, *args, **kwargs) if prior is not None else set_scaled(inner, param, name, *args,
+                                                                                           **kwargs)
+            for e in by_param.get(id(param), ()):
+                t = b.get(e)
+                if (e.key == name and t is not None and not same(t, e.host) and tuple(t.shape) == e.shape
+                        and t.dtype == e.dtype):
+                    self.transfers.take(part, b, e, t)  # made by the optimizer just now: its memory goes
+            return out
+
+        shadows = subset.Shadows()
+        Optimizer._process_value_according_to_param_policy = staticmethod(kept_where_it_is)
+        try:
+            if set_scaled is not None:
+                shadows.set(inner, "set_scaled_state", set_and_take)
+            yield
+        finally:
+            Optimizer._process_value_according_to_param_policy = cast
+            shadows.restore()
 
     def _reload_model_params(self, opt_ref, prior, *args, **kwargs):  # through _hook
         """Megatron-Core's reload_model_params (Bridge calls it after a load without optimizer state:
