@@ -302,65 +302,69 @@ def test_megatron_cores_own_offloaders_refuse_muon_and_the_builtin_engine_names_
 
 # -- two data-parallel ranks: each its own matrices (dist_muon) ---------------------------------------
 
-def _rank(rank, world, port, out_dir, offload, chunk_mb=0, clipping=False):
-    """`clipping`: _clipped_steps over attention layers (the layer-wise optimizer gives each rank whole matrices
-    of the same numel)."""
+def _rank(rank, world, port, out_dir, runs, clipping=False):
+    """Each of `runs` ((offload, chunk_mb) pairs) in turn, in one gloo group: the same steps, a fresh optimizer
+    each. `clipping`: _clipped_steps over attention layers (the layer-wise optimizer gives each rank whole
+    matrices of the same numel)."""
     from support import te_free
 
     te_free.install()
     from test_agree import gloo_group
     from support import dp
 
+    outs = []
     with gloo_group(rank, world, port), dp.gpu_on_cpu():
         dp.initialize()
         try:
-            if clipping:
-                run = muon.Run("dist_muon", model=attention.megatron_module)
-                rig = _clipping_rig(run)
-            else:
-                run = muon.Run("dist_muon", shapes=muon.EVEN)
-                rig = harness.Rig(cfg=harness.config_container(optimizer_cfg=run.config, mxfp8_copy=False),
-                                  forward=lambda model: run.grads())
-                rig.optimizer = run.optimizer
-            if offload:
-                bridge_fgo.patch(offload="builtin", chunk_mb=chunk_mb)
-            out = _clipped_steps(rig, run) if clipping else {"results": harness.run_steps(rig, steps=STEPS)}
-            bridge_fgo.synchronize()
-            session = bridge_fgo.status().sessions if offload else []
-            bridge_fgo.unpatch()
-            out.update(snapshot=run.snapshot(), sessions=session, owned=run.owned())
+            for offload, chunk_mb in runs:
+                if clipping:
+                    run = muon.Run("dist_muon", model=attention.megatron_module)
+                    rig = _clipping_rig(run)
+                else:
+                    run = muon.Run("dist_muon", shapes=muon.EVEN)
+                    rig = harness.Rig(cfg=harness.config_container(optimizer_cfg=run.config, mxfp8_copy=False),
+                                      forward=lambda model, run=run: run.grads())
+                    rig.optimizer = run.optimizer
+                if offload:
+                    bridge_fgo.patch(offload="builtin", chunk_mb=chunk_mb)
+                out = _clipped_steps(rig, run) if clipping else {"results": harness.run_steps(rig, steps=STEPS)}
+                bridge_fgo.synchronize()
+                session = bridge_fgo.status().sessions if offload else []
+                bridge_fgo.unpatch()
+                out.update(snapshot=run.snapshot(), sessions=session, owned=run.owned())
+                outs.append(out)
         finally:
             dp.destroy()
-    torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+    torch.save(outs, os.path.join(out_dir, f"rank{rank}.pt"))
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         f.write("{}")
 
 
-def _two_ranks(tmp_path, chunk_mb, clipping=False):
-    """Each rank's record, without offload (False) and with it (True)."""
+def _two_ranks(tmp_path, chunk_mbs, clipping=False):
+    """Each rank's record without offload, then with it at each of `chunk_mbs`, from one pair of processes
+    (their start-up is most of a run's time): {None: without, chunk_mb: with}."""
     from test_agree import run_ranks_with
 
-    got = {}
-    for offload in (False, True):
-        d = tmp_path / str(offload)
-        d.mkdir()
-        run_ranks_with(_rank, d, offload, chunk_mb, clipping, world=2)
-        got[offload] = [torch.load(d / f"rank{r}.pt", weights_only=False) for r in range(2)]
-    for base, off in zip(got[False], got[True]):
-        assert off["results"] == base["results"]
-        _same(base["snapshot"], off["snapshot"])
-        (s,) = off["sessions"]
-        assert s["calls"]["offload"] == STEPS and s["chunk_mb"] == chunk_mb
-    # the layer-wise optimizer splits the matrices between the ranks: each moves its own
-    owned = [set(r["owned"]) for r in got[True]]
-    assert owned[0] and owned[1] and not owned[0] & owned[1]
+    runs = [(False, 0)] + [(True, c) for c in chunk_mbs]
+    run_ranks_with(_rank, tmp_path, runs, clipping, world=2)
+    per_rank = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    got = {None if not offload else c: [outs[i] for outs in per_rank] for i, (offload, c) in enumerate(runs)}
+    for chunk_mb in chunk_mbs:
+        for base, off in zip(got[None], got[chunk_mb]):
+            assert off["results"] == base["results"]
+            _same(base["snapshot"], off["snapshot"])
+            (s,) = off["sessions"]
+            assert s["calls"]["offload"] == STEPS and s["chunk_mb"] == chunk_mb
+        # the layer-wise optimizer splits the matrices between the ranks: each moves its own
+        owned = [set(r["owned"]) for r in got[chunk_mb]]
+        assert owned[0] and owned[1] and not owned[0] & owned[1]
     return got, owned
 
 
 @needs_muon
-@pytest.mark.parametrize("chunk_mb", [0, 1], ids=["one-window", "streamed"])
-def test_two_data_parallel_ranks_each_move_their_own_matrices_bit_identically(tmp_path, chunk_mb):
-    _, owned = _two_ranks(tmp_path, chunk_mb)
+def test_two_data_parallel_ranks_each_move_their_own_matrices_bit_identically(tmp_path):
+    """The one window (chunk_mb=0) and the streamed step (chunk_mb=1), each against the run without offload."""
+    _, owned = _two_ranks(tmp_path, [0, 1])
     assert owned[0] | owned[1] == set(muon.EVEN)
 
 
@@ -370,9 +374,9 @@ def test_two_data_parallel_ranks_clip_and_take_the_norm_bit_identically(tmp_path
     layer's query/key/value matrix: each clips its own master in its pass, and both weights after the step, as
     the layer-wise optimizer's all-gather leaves them, as without offload (a weight clipped in the pass would
     reach the other rank clipped, and be clipped there again)."""
-    got, owned = _two_ranks(tmp_path, 1, clipping=True)
+    got, owned = _two_ranks(tmp_path, [1], clipping=True)
     assert all(sum(".linear_qkv.weight" in n for n in o) == 1 for o in owned)
-    for base, off in zip(got[False], got[True]):
+    for base, off in zip(got[None], got[1]):
         assert _fired(base) and off["norms"] == base["norms"]
 
 
