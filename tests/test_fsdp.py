@@ -121,6 +121,12 @@ def test_problems_name_the_field(gloo):
     opt.config.use_precision_aware_optimizer = True
     (p,) = engine_fsdp.problems(opt)
     assert "use_precision_aware_optimizer=True" in p
+    # a layout this engine does not know: a master that is not a view of its group's buffer
+    opt = fsdp.make_optimizer(harness.Recorder())
+    p0 = opt.optimizer.param_groups[0]["params"][0]
+    p0._local_tensor = p0._local_tensor.clone()
+    (p,) = engine_fsdp.problems(opt)
+    assert "is not a view of its group's main-weight buffer" in p and "Nothing was moved" in p
 
 
 @pytest.mark.parametrize("kind", ["torch", "te"])

@@ -329,6 +329,10 @@ def problems(opt) -> List[str]:
         out.append(f"cfg.ddp.data_parallel_sharding_strategy={s!r} with Megatron-FSDP: the streamed step serves "
                    f"{', '.join(repr(x) for x in STRATEGIES)} (the masters sharded over data-parallel ranks); set "
                    "one of them, or drop offload")
+    try:  # the layout as this engine knows it (checked here, where refusals are agreed on by every rank)
+        Layout(opt)
+    except BridgeFGOError as exc:
+        out.append(str(exc).replace(rank_prefix(), "", 1))
     if getattr(getattr(opt, "config", None), "use_precision_aware_optimizer", False):
         out.append("cfg.optimizer.use_precision_aware_optimizer=True with Megatron-FSDP: not yet served by the "
                    "streamed step (Transformer Engine holds the masters and reads decoupled gradients); set it to "
