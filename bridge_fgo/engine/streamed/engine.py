@@ -23,7 +23,7 @@ from typing import Optional
 from ...errors import BridgeFGOError
 from ...log import logger, rank_prefix
 from .. import subset
-from ..tensors import MASTER, same
+from ..tensors import same
 from .fitting import Fitting
 from .head import Head
 from .norms import Norms
@@ -300,8 +300,7 @@ class StreamedEngine:
                 part.fsdp.restore(self.device)
             for bundle in part.bundles:
                 for e in bundle.entries:
-                    if (b.get(e) is not None and not bundle.resident and not e.dropped
-                            and not (part.fsdp is not None and e.kind == MASTER)):
+                    if b.get(e) is not None and not bundle.resident and not e.dropped and not part.flat_master(e):
                         t.to_device(part, b, e)
         if self.device is not None and self.device.type == "cuda":
             import torch

@@ -66,6 +66,11 @@ class Part:
     def entries(self) -> List[Entry]:
         return [e for b in self.bundles for e in b.entries]
 
+    def flat_master(self, e) -> bool:
+        """A master that is a view of Megatron-FSDP's flat buffer: never freed, nor kept as its own shell; the
+        buffer is given up whole once none of its masters is bound to it (fsdp.Layout.retire, restore)."""
+        return self.fsdp is not None and e.kind == MASTER
+
     @property
     def in_order(self) -> bool:
         """Whether its parameters step in the optimizer's order (contracts.Contract.in_order)."""

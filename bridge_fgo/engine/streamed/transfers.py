@@ -92,7 +92,7 @@ class Transfers:
         """Copy `t` (what `e` is bound to) into e's host view now and bind the view; free t's memory if
         it is on the compute device and `free` (not a loaded tensor: the load's or its caller's own).
         A master keeps a storage-less tensor on the compute device as its shell (reload binds it)."""
-        flat = part.fsdp is not None and e.kind == MASTER  # a view of Megatron-FSDP's buffer: retired whole
+        flat = part.flat_master(e)
         self.check_takeover(part, e, t, frees=free and not flat)
         if t.device.type != "cpu":
             self.ready()
@@ -201,7 +201,7 @@ class Transfers:
             self.copies.host_wait(last)
         for part, b, e, t in pending:  # bound to the host only once its copy is whole
             on_device = t.device == self.device
-            flat = part.fsdp is not None and e.kind == MASTER  # a view of Megatron-FSDP's buffer: retired whole
+            flat = part.flat_master(e)
             if e.kind == MASTER:  # keeps the GPU tensor as its shell: its storage is freed at release()
                 part.shells[id(e.param)] = e.param.data if on_device and not flat else self.new_shell(e)
             if on_device and not flat:  # host memory bridge_fgo did not pin is never emptied: dropped, not freed

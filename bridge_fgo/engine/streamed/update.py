@@ -146,8 +146,6 @@ class Update:
             self._begin(part, run)
             subset.step_subset(inner, state, run)
             self._copy_masters(part, [p for ps in run.values() for p in ps])
-            if part.fsdp is not None:
-                part.fsdp.keep([p for ps in run.values() for p in ps])
         self.where = f"while writing back the param groups' values after the last chunk{chain}"
         state.commit()
 
@@ -169,8 +167,6 @@ class Update:
         for e, view in views:
             keep(part, b, e, view)
         self._copy_masters(part, [bd.param for bd in chunk.bundles])
-        if part.fsdp is not None:  # each master kept in its model's dtype for Megatron-FSDP's one copy (fsdp.py)
-            part.fsdp.keep([bd.param for bd in chunk.bundles])
         self.qk.in_pass(chunk.index)
         t.d2h(chunk, slot)
         self.norms.passed(views)  # on the compute stream: the slot is refilled only after it
@@ -181,6 +177,9 @@ class Update:
         self._check_unplanned(part, b, chunk)
 
     def _copy_masters(self, part: Part, params) -> None:
+        if part.fsdp is not None:  # each master kept in its model's dtype for Megatron-FSDP's one copy (fsdp.py)
+            part.fsdp.keep(params)
+            return
         masters = [p for p in params if id(p) in part.model_of]
         if masters:
             subset.copy_masters(part.opt, masters, part.model_of, self.kept.get(part.index))
