@@ -322,3 +322,91 @@ def test_an_inner_load_holds_one_state_at_a_time_off_the_host(gloo):
         for name, value in opt.optimizer.state[p].items():
             assert torch.equal(value._local_tensor, ref.optimizer.state[q][name]._local_tensor)
     engine.close()
+
+
+def _dtensors(tree):
+    if isinstance(tree, dict):
+        for v in tree.values():
+            yield from _dtensors(v)
+    elif engine_fsdp.is_dtensor(tree):
+        yield tree
+
+
+def _dcp_contents(path, tmp_path):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = tmp_path / (path.name + ".pt")
+    dcp_to_torch_save(path, out)
+    return torch.load(out, weights_only=False)
+
+
+@pytest.mark.parametrize("kind", ["torch", "te"])
+def test_fsdp_dtensor_save_and_load_read_and_write_the_host_views(gloo, kind, tmp_path):
+    """A real DCP save and load of what Bridge hands it under Megatron-FSDP (support/fsdp.checkpoint_state),
+    on a mesh made to say it is on the GPU: on two H200s the module's state_dict failed on the optimizer's
+    DTensors, GPU DTensors over host views ('Attempted to set the storage of a tensor on device "cpu" to a
+    storage on different device "cuda:0"', 2026-11-27), and DTensor.from_local moves a host view to the
+    mesh's device. Inside checkpoint_io the writer gets DTensors on the host over the pinned buffer (no GPU
+    copy; this torch has no GPU, so a move raises), the checkpoint equals the one saved without offload, the
+    module is back as it was, and a run loaded from it goes on bit-identical."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import DTensor, Shard
+
+    ref = fsdp.make_optimizer(harness.Recorder(), **OPTIMIZERS[kind])
+    opt = fsdp.make_optimizer(harness.Recorder(), **OPTIMIZERS[kind])
+    engine = StreamedEngine([opt], 40_000)
+    engine.prepare()
+    for _ in range(2):
+        step(ref)
+        step(opt, engine)
+    dcp.save(fsdp.checkpoint_state(ref), checkpoint_id=tmp_path / "ref")
+
+    buf = engine.buffer.tensor
+    key = buf.untyped_storage().data_ptr()
+    mod = opt.model_chunks[0].module
+    before = dict(mod.module.named_parameters())
+    opt._mesh._device_type = "cuda"  # what from_local moves a local tensor to
+    try:
+        view = buf[:8].view(torch.float32)
+        with pytest.raises(Exception):
+            DTensor.from_local(view, opt._mesh, [Shard(0)], shape=view.shape, stride=view.stride())
+        with engine.checkpoint_io():
+            kept = DTensor.from_local(view, opt._mesh, [Shard(0)], shape=view.shape, stride=view.stride())
+            assert kept.device.type == "cpu" and kept._local_tensor.data_ptr() == view.data_ptr()
+            sd = fsdp.checkpoint_state(opt)
+            written = list(_dtensors(sd))
+            assert len(written) > 10
+            for t in written:  # on the host, over the pinned buffer, no copy
+                assert t.device.type == "cpu"
+                assert t._local_tensor.numel() == 0 or t._local_tensor.untyped_storage().data_ptr() == key
+            dcp.save(sd, checkpoint_id=tmp_path / "fgo")
+        assert all(before[n] is p for n, p in mod.module.named_parameters())  # the module as it was
+        assert_same(_dcp_contents(tmp_path / "ref", tmp_path), _dcp_contents(tmp_path / "fgo", tmp_path))
+
+        # a run loaded from it (Bridge's load_fsdp_dtensor_checkpoint, then the module's and the optimizer's loads)
+        new = fsdp.make_optimizer(harness.Recorder(), seed=1, **OPTIMIZERS[kind])
+        new._mesh._device_type = "cuda"
+        engine2 = StreamedEngine([new], 40_000)
+        engine2.prepare()
+        with engine2.checkpoint_io():
+            sd = fsdp.checkpoint_state(new, loading=True)
+            dcp.load(sd, checkpoint_id=tmp_path / "fgo")
+            new.model_chunks[0].module.module.load_state_dict(sd["model"])
+            new.model_chunks[0].param_and_grad_buffer.copy_main_weights_to_model_weights()
+            new.load_state_dict(sd["optimizer"])
+        engine2.after_load()
+        for st in new.optimizer.state.values():  # the optimizer's own DTensors again, over the host views
+            for v in st.values():
+                if engine_fsdp.is_dtensor(v) and v._local_tensor.numel():
+                    assert v._local_tensor.untyped_storage().data_ptr() == engine2.buffer.tensor.untyped_storage(
+                    ).data_ptr()
+    finally:
+        opt._mesh._device_type = "cpu"
+    new._mesh._device_type = "cpu"
+    new._gen = ref._gen
+    for _ in range(2):
+        step(ref)
+        step(new, engine2)
+        assert_same(fsdp.snapshot(ref), fsdp.snapshot(new))
+    engine.close()
+    engine2.close()

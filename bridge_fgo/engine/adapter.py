@@ -132,6 +132,9 @@ class BuiltinAdapter:
     def saving(self):
         return self.engine.snapshot.saving() if self.chunk_mb else contextlib.nullcontext()
 
+    def checkpoint_io(self):
+        return self.engine.checkpoint_io() if self.chunk_mb else contextlib.nullcontext()
+
     def end_training(self) -> bool:
         """train() returned: nothing stays pinned. The streamed step parks (states in the unpinned
         host buffer, the session kept for a next train() or unpatch()); the one window's states are on

@@ -81,6 +81,10 @@ class Contract:
         method for it), on p's device; `device` is where its step runs (for states kept there)."""
         raise NotImplementedError
 
+    def advance_step(self, inner) -> None:
+        """What one step() does to a step count kept in the param groups (group_step), nothing else:
+        Megatron-Core's dummy step before an fsdp_dtensor load leaves it there for the load to fill."""
+
     def reload_from_param(self, inner, p) -> None:
         """p's weights were loaded without optimizer state: remake, in place, what the optimizer derives
         from the parameter when it creates its states (nothing, but for TE's master_param)."""
@@ -149,6 +153,17 @@ class TEFusedAdam(Contract):
                 "torch.uint8): a wrapper tensor whose device is fixed at creation, so it cannot be rebound to "
                 "host memory between steps; use bf16 or fp32 moments, or chunk_mb=0"]
 
+    def advance_step(self, inner):
+        import torch
+
+        # TE 2.20 step(): every group, empty ones too (a tensor in place when capturable)
+        for group in inner.param_groups:
+            if "step" in group:
+                group["step"] += 1
+            else:
+                device = group["params"][0].device if group["params"] else inner._dummy_overflow_buf.device
+                group["step"] = torch.tensor([1], dtype=torch.int, device=device) if inner.capturable else 1
+
     def create(self, inner, p, group, device):
         import torch
 
@@ -182,6 +197,12 @@ class ApexFusedAdam(Contract):
         import torch
 
         return [StateSpec(k, torch.float32) for k in ("exp_avg", "exp_avg_sq")]
+
+    def advance_step(self, inner):
+        # apex/optimizers/fused_adam.py step(): populated groups only
+        for group in inner.param_groups:
+            if group["params"]:
+                group["step"] = group["step"] + 1 if "step" in group else 1
 
     def create(self, inner, p, group, device):
         import torch

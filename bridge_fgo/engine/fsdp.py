@@ -277,6 +277,103 @@ class Layout:
                 g.main_weight_buffer = mbuf
 
 
+    # -- checkpoints (fsdp_dtensor) -------------------------------------------------------------------
+    @contextlib.contextmanager
+    def checkpoint_io(self, host_key: int):
+        """During a checkpoint save or load: the masters and states that live in the host buffer (storage
+        `host_key`) presented as DTensors on the host, read and written in place.
+
+        The optimizer's DTensors keep the GPU as their own device while their local tensors are host views,
+        and torch refuses such a DTensor in its operations (the module's state_dict detaches each parameter:
+        'Attempted to set the storage of a tensor on device "cpu" to a storage on different device "cuda:0"',
+        2xH200, 2026-11-27); DTensor.from_local, which Megatron-FSDP's SwiGLU split and Transformer Engine
+        call, moves a host local tensor to the mesh's device (a GPU copy, and a load would fill the copy).
+        So for the call:
+        - the module's DTensor parameters (what Megatron-FSDP's state_dict pre-hook swaps in, from
+          `optimizer_named_parameters`) are twins over the same local tensors, each on the host; the module
+          is put back as it was afterwards;
+        - the optimizer's fsdp_dtensor state dict holds such twins of its states; any twin a load bound into
+          the inner optimizer is replaced by its original afterwards;
+        - DTensor.from_local keeps a view of the host buffer where it is."""
+        from torch.distributed.tensor import DTensor
+
+        from .subset import Shadows
+
+        opt, inner = self.opt, self.opt.optimizer
+        twins: Dict[int, object] = {}  # id(twin) -> original
+        kept: List[object] = []  # the twins, alive while their ids are keys
+
+        def on_host(t) -> bool:
+            lt = local(t)
+            return lt.device.type == "cpu" and lt.untyped_storage().data_ptr() == host_key
+
+        def twin(t):
+            tw = DTensor(local(t), t._spec, requires_grad=False)
+            twins[id(tw)] = t
+            kept.append(tw)
+            return tw
+
+        shadows = Shadows()
+        modules = []
+        from_local = DTensor.__dict__["from_local"]
+        try:
+            chunks = [c for c in getattr(opt, "model_chunks", None) or ()
+                      if hasattr(getattr(c, "module", None), "_replace_param_with_raw_if_needed")
+                      and getattr(c, "param_and_grad_buffer", None) is not None]
+            if chunks and not hasattr(opt, "param_to_name"):
+                # Megatron-Core names the optimizer's parameters from the module's at its first checkpoint: while
+                # the module holds the optimizer's own DTensors, as without offload (never the twins below)
+                for c in chunks:
+                    c.module._replace_param_with_distributed_if_needed()
+                first = next((p for g in inner.param_groups for p in g["params"]), None)
+                if first is not None:
+                    opt._param_name(first)
+            for c in chunks:
+                mod, pgb = c.module, c.param_and_grad_buffer
+                was = bool(getattr(mod, "is_param_fsdp_distributed", False))
+                mod._replace_param_with_raw_if_needed()
+                named = pgb.optimizer_named_parameters
+                modules.append((mod, pgb, named, was))
+                pgb.optimizer_named_parameters = [(n, _twin_param(twin(p), p) if on_host(p) else p) for n, p in named]
+
+            prior = vars(opt).get("sharded_param_state_fsdp_dtensor")
+
+            def sharded_param_state_fsdp_dtensor(*args, **kwargs):
+                out = (prior(*args, **kwargs) if prior is not None
+                       else type(opt).sharded_param_state_fsdp_dtensor(opt, *args, **kwargs))
+                out["state"] = {k: ({n: twin(v) if is_dtensor(v) and on_host(v) else v for n, v in sd.items()}
+                                    if isinstance(sd, dict) else sd) for k, sd in out["state"].items()}
+                return out
+
+            shadows.set(opt, "sharded_param_state_fsdp_dtensor", sharded_param_state_fsdp_dtensor)
+
+            def kept_on_host(local_tensor, device_mesh=None, placements=None, *, run_check=False, shape=None,
+                             stride=None, **kwargs):
+                if (device_mesh is not None and placements is not None and shape is not None and stride is not None
+                        and not kwargs and device_mesh.device_type != "cpu" and on_host(local_tensor)):
+                    return _host_dtensor(local_tensor, device_mesh, placements, shape, stride)
+                return from_local.__func__(local_tensor, device_mesh, placements, run_check=run_check, shape=shape,
+                                           stride=stride, **kwargs)
+
+            DTensor.from_local = staticmethod(kept_on_host)
+            yield
+        finally:
+            DTensor.from_local = from_local
+            shadows.restore()
+            for mod, pgb, named, was in reversed(modules):
+                mod._replace_param_with_raw_if_needed()  # (its shared weights found among the twins)
+                pgb.optimizer_named_parameters = named
+                if was:
+                    mod._replace_param_with_distributed_if_needed()
+            for st in list(inner.state.values()):  # a load binds what it is given (torch AdamW): the originals back
+                for k, v in list(st.items()):
+                    orig = twins.get(id(v))
+                    if orig is not None:
+                        if local(orig) is not local(v):
+                            orig._local_tensor = local(v)
+                        st[k] = orig
+
+
 def _copy_hook(layout_ref, pgb_ref, synchronize, prior):
     def copy_main_weights_to_model_weights(*args, **kwargs):
         layout, pgb = layout_ref(), pgb_ref()
@@ -293,6 +390,27 @@ def _copy_hook(layout_ref, pgb_ref, synchronize, prior):
             return real()
 
     return copy_main_weights_to_model_weights
+
+
+def _twin_param(tw, orig):
+    """An nn.Parameter over DTensor `tw` carrying the attributes of `orig`, the parameter it stands for
+    (Megatron-FSDP's and Megatron-Core's: orig_param, megatron_fsdp_slice, the tensor-parallel ones)."""
+    import torch
+
+    p = torch.nn.Parameter(tw, requires_grad=orig.requires_grad)
+    p.__dict__.update({k: v for k, v in vars(orig).items() if k != "_is_param"})
+    return p
+
+
+def _host_dtensor(lt, mesh, placements, shape, stride):
+    """DTensor.from_local(lt, mesh, placements, shape=, stride=) without moving lt to the mesh's device."""
+    import torch
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    placements = tuple(Shard(p.dim + lt.ndim) if type(p) is Shard and p.dim < 0 else p for p in placements)
+    spec = DTensorSpec(mesh, placements, tensor_meta=TensorMeta(torch.Size(shape), tuple(stride), lt.dtype))
+    return DTensor(lt.view_as(lt), spec, requires_grad=lt.requires_grad)
 
 
 class _Presented:

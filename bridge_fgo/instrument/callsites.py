@@ -284,7 +284,8 @@ class CallSites:
             return wrapped(*args, **kwargs)
         session.prepare()
         try:
-            return wrapped(*args, **kwargs)
+            with session.adapter.checkpoint_io():
+                return wrapped(*args, **kwargs)
         finally:
             session.adapter.after_load()
             peaks.note("checkpoint load")
@@ -300,7 +301,10 @@ class CallSites:
             session.adapter.refuse_save()
         state = argument(self.index[name], "state", args, kwargs)
         if not saves.watched(getattr(state, "cfg", None), self.options):
-            return wrapped(*args, **kwargs)
+            with contextlib.ExitStack() as stack:
+                for session in sessions:
+                    stack.enter_context(session.adapter.checkpoint_io())
+                return wrapped(*args, **kwargs)
         # the save waits for the last update's copies anyway; waiting first keeps the queued copies' views of
         # the buffer out of the count taken before it
         self.synchronize()
@@ -310,6 +314,7 @@ class CallSites:
         with contextlib.ExitStack() as stack:  # the writer handed each session's kept snapshot, where it has one
             for session in sessions:
                 stack.enter_context(session.adapter.saving())
+                stack.enter_context(session.adapter.checkpoint_io())
             result = wrapped(*args, **kwargs)
         watch.after(state)
         return result

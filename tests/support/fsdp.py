@@ -40,14 +40,44 @@ def _dtensor(local_tensor, shape, m):
                               stride=torch.empty(shape).stride())
 
 
-class Chunk:
-    """A model chunk as the optimizer and train_step reach it: its Megatron-FSDP buffer, zero_grad_buffer and
-    start_param_sync (recorded)."""
+class Module:
+    """Megatron-FSDP's module wrapper (MegatronFSDP) as a checkpoint reaches it: its own methods that swap the
+    module's parameters between the raw ones and the optimizer's DTensors, run over a plain torch module that
+    holds the raw parameters, with MegatronFSDP's state_dict pre-hook (megatron_fsdp.py)."""
 
-    def __init__(self, pgb, events):
+    def __init__(self, pgb, origs_by_name):
+        from megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp import MegatronFSDP
+
+        for name in ("_replace_param_with_distributed_if_needed", "_replace_param_with_raw_if_needed",
+                     "_reestablish_shared_weights"):
+            setattr(self, name, getattr(MegatronFSDP, name).__get__(self))
+        self.module = torch.nn.Module()
+        for name, p in origs_by_name.items():
+            unit, leaf = name.split(".")
+            if not hasattr(self.module, unit):
+                self.module.add_module(unit, torch.nn.Module())
+            getattr(self.module, unit).register_parameter(leaf, p)
+        self.raw_param = dict(self.module.named_parameters())
         self.param_and_grad_buffer = pgb
+        self.is_param_fsdp_distributed = False
+        for m in self.module.modules():
+            m.register_state_dict_pre_hook(lambda *a, **k: self._replace_param_with_distributed_if_needed())
+        self._replace_param_with_distributed_if_needed()  # as MegatronFSDP.__init__ leaves it
+
+
+class Chunk:
+    """A model chunk as the optimizer and train_step reach it: its Megatron-FSDP buffer and module,
+    zero_grad_buffer and start_param_sync (recorded)."""
+
+    def __init__(self, pgb, events, module=None):
+        self.param_and_grad_buffer = pgb
+        self.module = module
+        self.config = types.SimpleNamespace(num_moe_experts=None)
         self.events = events
         self.remove_forward_pre_hook_handles = {"hook": object()}
+
+    def named_parameters(self):
+        return self.module.module.named_parameters()
 
     def zero_grad_buffer(self):
         self.events.add("zero_grad_buffer")
@@ -121,7 +151,7 @@ def make_optimizer(events, seed: int = 0, optimizer: str = "torch", strategy: st
     pgb = Buffer()
     pgb.parameter_groups, pgb.optimizer_named_parameters = pgroups, named
     pgb.dist_main_weight, pgb.param_to_name = dist_main_weight, param_to_name
-    chunk = Chunk(pgb, events)
+    chunk = Chunk(pgb, events, Module(pgb, {name: orig for orig, name in param_to_name.items()}))
     params = [p for _, p in named]
     param_groups = [{"params": params[i::groups], "wd_mult": 1.0 / (i + 1)} for i in range(groups)]
     opt = StandInFSDPOptimizer()
@@ -155,3 +185,17 @@ def snapshot(opt) -> dict:
             for pi, p in enumerate(g.params):
                 out[f"model{gi}.{pi}"] = p.detach().clone()
     return out
+
+
+def checkpoint_state(opt, loading: bool = False) -> dict:
+    """What Bridge's fsdp_dtensor save and load hand DCP (training/checkpointing.py, generate_state_dict and
+    preprocess_fsdp_dtensor_state_dict): the module's state dict (Megatron-FSDP's pre-hook swaps the
+    optimizer's DTensors in), Megatron-Core's real sharded_state_dict of the optimizer, each DTensor given its
+    chunk metadata by megatron_fsdp's own preprocessing."""
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import \
+        preprocess_state_dict_for_uneven_dtensor
+
+    sd = {"model": opt.model_chunks[0].module.module.state_dict(),
+          "optimizer": opt.sharded_state_dict({}, is_loading=loading,
+                                              metadata={"distrib_optim_sharding_type": "fsdp_dtensor"})}
+    return preprocess_state_dict_for_uneven_dtensor(sd)

@@ -17,6 +17,8 @@ Where the data is:
 """
 from __future__ import annotations
 
+import contextlib
+
 import weakref
 from typing import Optional
 
@@ -261,6 +263,21 @@ class StreamedEngine:
                 f"waiting for the last update's device-to-host copies failed ({type(exc).__name__}: {exc}), so "
                 "the optimizer states are torn: their host copy is part of that step, part of the one before"))
         self.readers.drop_guards()
+
+    @contextlib.contextmanager
+    def checkpoint_io(self):
+        """A checkpoint save or load: the host copy whole first; Megatron-FSDP's DTensors over the host buffer
+        presented on the host for the call (engine/fsdp.py)."""
+        parts = [p for p in self.parts if p.fsdp is not None]
+        if not parts or self.transfers.buffer is None:
+            yield
+            return
+        self.synchronize()
+        key = self.transfers.buffer.tensor.untyped_storage().data_ptr()
+        with contextlib.ExitStack() as stack:
+            for part in parts:
+                stack.enter_context(part.fsdp.checkpoint_io(key))
+            yield
 
     # -- after training ---------------------------------------------------------------------------
     def states_on(self) -> str:

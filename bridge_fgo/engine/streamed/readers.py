@@ -239,6 +239,9 @@ class Readers:
                 t = b.get(e)
                 if not e.dropped and t is not None and not same(t, e.host):
                     self.transfers.take(part, b, e, t)
+        # the dummy step's count, which the load then overwrites: without it the state dict the load fills has no
+        # `step` in its groups, and a resumed run would start its bias correction again from 1
+        part.contract.advance_step(inner)
 
     def _take_loaded(self) -> None:
         """The states a load bound, copied into their host views. Never freed here: they are the load's
