@@ -9,6 +9,9 @@
 #   final    bf16 with and without (each saving at 4, then resumed from it) and FP8 tensorwise with and without:
 #            what one call of at most 10 minutes holds
 #   strategies  optim and optim_grads, without offload and with the streamed step
+#   resumed  the streamed step saving at 4 and resumed from it, bf16 and FP8 tensorwise (compared with final's
+#            uninterrupted runs without offload: the same final parameters)
+#   overhead bf16 without offload and with the streamed step, three of each interleaved (the step's overhead)
 # Issue 41's GPU runs: the 887M shape on Transformer Engine's layers and FusedAdam, deterministic_mode. A run
 # is skipped when its JSON exists or fewer than MIN_S seconds remain before DEADLINE_S. Results and logs
 # under /tmp/fsdp; summary.txt: each run's peaks, step and digest per rank.
@@ -57,6 +60,15 @@ for g in "$@"; do
       fgo bf16_resume_streamed $S --load $CK/bf16_streamed --ckpt-step 4
       rm -rf $CK/bf16_streamed
       fgo fp8_streamed $S --fp8 tensorwise ;;
+    resumed)
+      fgo bf16_save_streamed $S --save $CK/bf16_streamed --save-interval 4
+      fgo bf16_resume_streamed $S --load $CK/bf16_streamed --ckpt-step 4
+      rm -rf $CK/bf16_streamed
+      fgo fp8_save_streamed $S --fp8 tensorwise --save $CK/fp8_streamed --save-interval 4
+      fgo fp8_resume_streamed $S --fp8 tensorwise --load $CK/fp8_streamed --ckpt-step 4
+      rm -rf $CK/fp8_streamed ;;
+    overhead)
+      for i in 1 2 3; do base bf16_base_$i $S; fgo bf16_streamed_$i $S; done ;;
     strategies)
       for s in optim optim_grads; do base ${s}_base --fsdp $s; fgo ${s}_streamed --fsdp $s; done ;;
     *) echo "unknown group $g" >&2; exit 2 ;;
