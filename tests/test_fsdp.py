@@ -410,3 +410,26 @@ def test_fsdp_dtensor_save_and_load_read_and_write_the_host_views(gloo, kind, tm
         assert_same(fsdp.snapshot(ref), fsdp.snapshot(new))
     engine.close()
     engine2.close()
+
+
+@pytest.mark.parametrize("kind", ["torch", "te"])
+def test_before_a_load_every_rank_has_the_states_the_dummy_step_makes(gloo, kind):
+    """Megatron-Core's dummy step before an fsdp_dtensor load, served without stepping: the same parameters get
+    states as with the real dummy step (TE's makes the empty states of a parameter with no elements on this
+    rank; torch AdamW none), and the param groups the same step count. On two H200s a resume hung when the
+    empty ones were missing: the load's per-DTensor collectives paired up across ranks with different state
+    dicts (2026-11-27)."""
+    ref = fsdp.make_optimizer(harness.Recorder(), shapes=fsdp.EMPTY_SHAPES, **OPTIMIZERS[kind])
+    opt = fsdp.make_optimizer(harness.Recorder(), shapes=fsdp.EMPTY_SHAPES, **OPTIMIZERS[kind])
+    engine = StreamedEngine([opt], 40_000)
+    engine.prepare()
+    ref._init_optimizer_states_with_dummy_values()
+    opt._init_optimizer_states_with_dummy_values()
+
+    def made(o):
+        return [(gi, pi, sorted(k for k in o.optimizer.state.get(p, {}) if k != "step"))
+                for gi, g in enumerate(o.optimizer.param_groups) for pi, p in enumerate(g["params"])]
+
+    assert made(opt) == made(ref)
+    assert [g.get("step") for g in opt.optimizer.param_groups] == [g.get("step") for g in ref.optimizer.param_groups]
+    engine.close()

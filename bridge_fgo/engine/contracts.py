@@ -69,6 +69,9 @@ class Contract:
     # then step the parameters in the optimizer's order on every rank, whatever each keeps resident under
     # gpu_budget_gib by its own memory (plan.Part.passes)
     in_order = False
+    # step() makes the states of a parameter it then skips for having no gradient (TE 2.x: before the check), so a
+    # parameter with no elements on this rank under Megatron-FSDP has (empty) states like every other rank's
+    states_without_grad = False
 
     def states(self, inner, p, group) -> List[StateSpec]:
         raise NotImplementedError
@@ -129,6 +132,7 @@ class TorchAdam(Contract):
 class TEFusedAdam(Contract):
     name = "Transformer Engine FusedAdam"
     group_step = True
+    states_without_grad = True
 
     def states(self, inner, p, group):
         import torch
