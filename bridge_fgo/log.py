@@ -8,6 +8,22 @@ import threading
 
 logger = logging.getLogger("bridge_fgo")
 
+
+class _Filters(list):
+    """The bridge_fgo logger's filters, less the one Megatron's setup_logging adds to every logger under
+    Bridge's default cfg.logger.filter_warnings=True (megatron/training/utils/log_utils.py, warning_filter):
+    it drops every WARNING, and ours say where offload does not act or a figure is off. A logger's level (or a
+    filter of the user's own) still silences them."""
+
+    def append(self, f) -> None:
+        if getattr(f, "__name__", None) == "warning_filter" and str(getattr(f, "__module__", "")).startswith(
+                "megatron."):
+            return
+        super().append(f)
+
+
+logger.filters = _Filters(logger.filters)
+
 _once_lock = threading.Lock()
 _once_keys: set = set()
 

@@ -200,11 +200,21 @@ def test_through_bridges_train_step_bit_identical_and_said(gloo, caplog_fgo):
                for i in session["inner_optimizers"])
     assert any("offload active" in r.getMessage() and "under Megatron-FSDP, optim_grads_params" in r.getMessage()
                for r in caplog_fgo.records)
-    # where the path stands is said: not yet checked on a GPU
-    assert [r.getMessage() for r in caplog_fgo.records if r.levelname == "WARNING" and r.name == "bridge_fgo"] == [
-        "[rank 0] " + engine_fsdp.UNVERIFIED]
+    # optim_grads_params ran on GPUs: nothing to warn of
+    assert not [r for r in caplog_fgo.records if r.levelname == "WARNING" and r.name == "bridge_fgo"]
     bridge_fgo.unpatch()
     assert_same(fsdp.snapshot(ref.dist_optimizer), fsdp.snapshot(rig.dist_optimizer))
+
+
+
+def test_a_strategy_not_yet_run_on_a_gpu_is_said_once_per_rank(gloo, caplog_fgo):
+    bridge_fgo.patch(offload="builtin", chunk_mb=1)
+    rig = fsdp_rig(strategy="optim")
+    harness.run_steps(rig, steps=2)
+    warned = [r.getMessage() for r in caplog_fgo.records if r.levelname == "WARNING" and r.name == "bridge_fgo"]
+    assert warned == ["[rank 0] " + engine_fsdp.unverified(rig.dist_optimizer)]
+    assert "'optim' strategy" in warned[0] and "not yet on a GPU" in warned[0]
+    bridge_fgo.unpatch()
 
 
 REFUSED = [
@@ -214,6 +224,7 @@ REFUSED = [
     ({}, {"checkpoint": "async"}, "cfg.checkpoint.async_save=True with Megatron-FSDP"),
     ({}, {"strategy": "no_shard"}, "data_parallel_sharding_strategy='no_shard'"),
     ({}, {"precision_aware": True}, "use_precision_aware_optimizer=True with Megatron-FSDP"),
+    ({}, {"hsdp": 2}, "cfg.ddp.num_distributed_optimizer_instances=2 with Megatron-FSDP (HSDP"),
 ]
 
 
@@ -225,6 +236,9 @@ def test_what_the_streamed_step_cannot_serve_is_refused_before_the_first_step(gl
     if change.get("precision_aware"):
         rig.cfg.optimizer.use_precision_aware_optimizer = True
         rig.dist_optimizer.config.use_precision_aware_optimizer = True
+    if change.get("hsdp"):
+        rig.cfg.ddp.num_distributed_optimizer_instances = change["hsdp"]
+        rig.dist_optimizer.ddp_config.num_distributed_optimizer_instances = change["hsdp"]
     if change.get("logger.log_params_norm"):
         rig.cfg.logger = types.SimpleNamespace(log_params_norm=True)
     if change.get("model.qk_clip"):

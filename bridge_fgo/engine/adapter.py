@@ -64,10 +64,11 @@ class BuiltinAdapter:
         if self.fit is None:
             self.check()
         logger.info("%s%s", rank_prefix(), self.fit.describe())
-        if self.chunk_mb and any(part.fsdp is not None for part in self.engine.parts):
-            from .fsdp import UNVERIFIED
+        if self.chunk_mb:
+            from .fsdp import unverified
 
-            logger.warning("%s%s", rank_prefix(), UNVERIFIED)
+            for said in {unverified(part.fsdp.opt) for part in self.engine.parts if part.fsdp is not None} - {None}:
+                logger.warning("%s%s", rank_prefix(), said)
         self.engine.prepare()
         logger.info("%sbuiltin engine ready before the first step: %s; %d bytes of %s host buffer in %.2f s; %s",
                     rank_prefix(), ", ".join(self.engine.optimizers()) or "no optimizer",

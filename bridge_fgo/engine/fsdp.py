@@ -297,8 +297,6 @@ class Layout:
         - DTensor.from_local keeps a view of the host buffer where it is."""
         from torch.distributed.tensor import DTensor
 
-        from .subset import Shadows
-
         opt, inner = self.opt, self.opt.optimizer
         twins: Dict[int, object] = {}  # id(twin) -> original
         kept: List[object] = []  # the twins, alive while their ids are keys
@@ -313,7 +311,8 @@ class Layout:
             kept.append(tw)
             return tw
 
-        shadows = Shadows()
+        shadowed = "sharded_param_state_fsdp_dtensor" in vars(opt)
+        prior = vars(opt).get("sharded_param_state_fsdp_dtensor")  # whatever was bound there, kept
         modules = []
         from_local = DTensor.__dict__["from_local"]
         try:
@@ -336,8 +335,6 @@ class Layout:
                 modules.append((mod, pgb, named, was))
                 pgb.optimizer_named_parameters = [(n, _twin_param(twin(p), p) if on_host(p) else p) for n, p in named]
 
-            prior = vars(opt).get("sharded_param_state_fsdp_dtensor")
-
             def sharded_param_state_fsdp_dtensor(*args, **kwargs):
                 out = (prior(*args, **kwargs) if prior is not None
                        else type(opt).sharded_param_state_fsdp_dtensor(opt, *args, **kwargs))
@@ -345,7 +342,7 @@ class Layout:
                                     if isinstance(sd, dict) else sd) for k, sd in out["state"].items()}
                 return out
 
-            shadows.set(opt, "sharded_param_state_fsdp_dtensor", sharded_param_state_fsdp_dtensor)
+            opt.sharded_param_state_fsdp_dtensor = sharded_param_state_fsdp_dtensor
 
             def kept_on_host(local_tensor, device_mesh=None, placements=None, *, run_check=False, shape=None,
                              stride=None, **kwargs):
@@ -359,7 +356,10 @@ class Layout:
             yield
         finally:
             DTensor.from_local = from_local
-            shadows.restore()
+            if shadowed:
+                opt.sharded_param_state_fsdp_dtensor = prior
+            else:
+                vars(opt).pop("sharded_param_state_fsdp_dtensor", None)
             for mod, pgb, named, was in reversed(modules):
                 mod._replace_param_with_raw_if_needed()  # (its shared weights found among the twins)
                 pgb.optimizer_named_parameters = named
@@ -432,11 +432,20 @@ class _Presented:
         return torch.empty(0, dtype=self._mbuf.dtype, device=self._mbuf.device)
 
 
-# Where this path stands, said once per rank while it is not yet checked on a GPU (docs/benchmarks.md)
-UNVERIFIED = ("Megatron-FSDP under the streamed step is checked on CPU against Megatron-FSDP's own buffers and "
-              "copy (tests/test_fsdp.py) but not yet on a GPU: its one GPU run so far (2xH200, 2026-11-27) stopped "
-              "before step 1 on a case since fixed. Compare the first steps' losses with a run without offload, "
-              "or drop offload for this run")
+# The strategy checked on GPUs (docs/benchmarks.md#fsdp-gpu-2026-11-27): bit-identical to Megatron-FSDP without
+# offload, fresh and resumed, bf16 and FP8 tensorwise, on two H200s
+CHECKED_ON_GPU = "optim_grads_params"
+
+
+def unverified(opt) -> Optional[str]:
+    """What to say once per rank where this run's strategy has run on CPU only, else None."""
+    s = strategy(opt)
+    if s == CHECKED_ON_GPU:
+        return None
+    return (f"Megatron-FSDP's {s!r} strategy under the streamed step is checked on CPU against Megatron-FSDP's own "
+            f"buffers and copy (tests/test_fsdp.py), not yet on a GPU ({CHECKED_ON_GPU!r} is: bit-identical to no "
+            "offload, fresh and resumed, on two H200s). Compare the first steps' losses with a run without "
+            "offload, or drop offload for this run")
 
 
 def problems(opt) -> List[str]:
@@ -447,6 +456,11 @@ def problems(opt) -> List[str]:
         out.append(f"cfg.ddp.data_parallel_sharding_strategy={s!r} with Megatron-FSDP: the streamed step serves "
                    f"{', '.join(repr(x) for x in STRATEGIES)} (the masters sharded over data-parallel ranks); set "
                    "one of them, or drop offload")
+    instances = getattr(getattr(opt, "ddp_config", None), "num_distributed_optimizer_instances", 1) or 1
+    if instances > 1:
+        out.append(f"cfg.ddp.num_distributed_optimizer_instances={instances} with Megatron-FSDP (HSDP, outer "
+                   "data-parallel groups): not yet served by the streamed step (its outer sharding and helper "
+                   "buffers were never run under it, on CPU or GPU); set it to 1, or drop offload for this run")
     try:  # the layout as this engine knows it (checked here, where refusals are agreed on by every rank)
         Layout(opt)
     except BridgeFGOError as exc:

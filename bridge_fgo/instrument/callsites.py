@@ -33,6 +33,15 @@ from .session import Registry, Session
 from .targets import Layout, argument
 
 
+@contextlib.contextmanager
+def checkpoint_io(sessions):
+    """Each session's checkpoint presentation (engine/fsdp.py) for a save's or a load's call."""
+    with contextlib.ExitStack() as stack:
+        for session in sessions:
+            stack.enter_context(session.adapter.checkpoint_io())
+        yield
+
+
 class ReloadingFinalize(wrapt.FunctionWrapper):
     """The finalize wrapper's own type: how bridge_fgo recognises it and never wraps it twice."""
 
@@ -284,7 +293,7 @@ class CallSites:
             return wrapped(*args, **kwargs)
         session.prepare()
         try:
-            with session.adapter.checkpoint_io():
+            with checkpoint_io([session]):
                 return wrapped(*args, **kwargs)
         finally:
             session.adapter.after_load()
@@ -301,9 +310,7 @@ class CallSites:
             session.adapter.refuse_save()
         state = argument(self.index[name], "state", args, kwargs)
         if not saves.watched(getattr(state, "cfg", None), self.options):
-            with contextlib.ExitStack() as stack:
-                for session in sessions:
-                    stack.enter_context(session.adapter.checkpoint_io())
+            with checkpoint_io(sessions):
                 return wrapped(*args, **kwargs)
         # the save waits for the last update's copies anyway; waiting first keeps the queued copies' views of
         # the buffer out of the count taken before it
