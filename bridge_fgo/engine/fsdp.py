@@ -279,9 +279,10 @@ class Layout:
 
     # -- checkpoints (fsdp_dtensor) -------------------------------------------------------------------
     @contextlib.contextmanager
-    def checkpoint_io(self, host_key: int):
+    def checkpoint_io(self, host_key: int, shadows):
         """During a checkpoint save or load: the masters and states that live in the host buffer (storage
-        `host_key`) presented as DTensors on the host, read and written in place.
+        `host_key`) presented as DTensors on the host, read and written in place (`shadows`, a subset.Shadows
+        the caller restores afterwards, holds the optimizer's shadowed state-dict method).
 
         The optimizer's DTensors keep the GPU as their own device while their local tensors are host views,
         and torch refuses such a DTensor in its operations (the module's state_dict detaches each parameter:
@@ -298,8 +299,7 @@ class Layout:
         from torch.distributed.tensor import DTensor
 
         opt, inner = self.opt, self.opt.optimizer
-        twins: Dict[int, object] = {}  # id(twin) -> original
-        kept: List[object] = []  # the twins, alive while their ids are keys
+        twins: Dict[int, tuple] = {}  # id(twin) -> (twin, original): the twin held while its id is a key
 
         def on_host(t) -> bool:
             lt = local(t)
@@ -307,11 +307,9 @@ class Layout:
 
         def twin(t):
             tw = DTensor(local(t), t._spec, requires_grad=False)
-            twins[id(tw)] = t
-            kept.append(tw)
+            twins[id(tw)] = (tw, t)
             return tw
 
-        shadowed = "sharded_param_state_fsdp_dtensor" in vars(opt)
         prior = vars(opt).get("sharded_param_state_fsdp_dtensor")  # whatever was bound there, kept
         modules = []
         from_local = DTensor.__dict__["from_local"]
@@ -342,7 +340,7 @@ class Layout:
                                     if isinstance(sd, dict) else sd) for k, sd in out["state"].items()}
                 return out
 
-            opt.sharded_param_state_fsdp_dtensor = sharded_param_state_fsdp_dtensor
+            shadows.set(opt, "sharded_param_state_fsdp_dtensor", sharded_param_state_fsdp_dtensor)
 
             def kept_on_host(local_tensor, device_mesh=None, placements=None, *, run_check=False, shape=None,
                              stride=None, **kwargs):
@@ -356,10 +354,6 @@ class Layout:
             yield
         finally:
             DTensor.from_local = from_local
-            if shadowed:
-                opt.sharded_param_state_fsdp_dtensor = prior
-            else:
-                vars(opt).pop("sharded_param_state_fsdp_dtensor", None)
             for mod, pgb, named, was in reversed(modules):
                 mod._replace_param_with_raw_if_needed()  # (its shared weights found among the twins)
                 pgb.optimizer_named_parameters = named
@@ -367,7 +361,7 @@ class Layout:
                     mod._replace_param_with_distributed_if_needed()
             for st in list(inner.state.values()):  # a load binds what it is given (torch AdamW): the originals back
                 for k, v in list(st.items()):
-                    orig = twins.get(id(v))
+                    _, orig = twins.get(id(v), (None, None))
                     if orig is not None:
                         if local(orig) is not local(v):
                             orig._local_tensor = local(v)

@@ -18,7 +18,6 @@ Where the data is:
 from __future__ import annotations
 
 import contextlib
-
 import weakref
 from typing import Optional
 
@@ -274,10 +273,14 @@ class StreamedEngine:
             return
         self.synchronize()
         key = self.transfers.buffer.tensor.untyped_storage().data_ptr()
-        with contextlib.ExitStack() as stack:
-            for part in parts:
-                stack.enter_context(part.fsdp.checkpoint_io(key))
-            yield
+        shadows = subset.Shadows()
+        try:
+            with contextlib.ExitStack() as stack:
+                for part in parts:
+                    stack.enter_context(part.fsdp.checkpoint_io(key, shadows))
+                yield
+        finally:
+            shadows.restore()
 
     # -- after training ---------------------------------------------------------------------------
     def states_on(self) -> str:

@@ -232,14 +232,11 @@ class Readers:
         inner, b = part.inner, part.bindings
         for bundle in part.bundles:
             p = bundle.param
-            if inner.state.get(p):
-                continue  # made already (materialized before the load, or stepped)
-            if fsdp_local(p).numel() == 0:
-                # no elements on this rank: the dummy step gives it no gradient, and TE's makes its (empty) states
-                # anyway; every rank's state dict must hold the same DTensors, or the fsdp_dtensor load's
-                # per-tensor collectives pair up wrongly and hang (2xH200, 2026-11-27)
-                if part.contract.states_without_grad:
-                    part.contract.create(inner, p, inner.param_groups[bundle.group], self.plan.device)
+            # made already (materialized before the load, or stepped); or no elements on this rank, which the dummy
+            # step gives no gradient: TE's makes its (empty) states anyway (no entries: nothing moves), and every
+            # rank's state dict must hold the same DTensors, or the fsdp_dtensor load's per-tensor collectives pair
+            # up wrongly and hang (2xH200, 2026-11-27)
+            if inner.state.get(p) or (fsdp_local(p).numel() == 0 and not part.contract.states_without_grad):
                 continue
             part.contract.create(inner, p, inner.param_groups[bundle.group], self.plan.device)
             for e in () if bundle.resident else bundle.entries:
