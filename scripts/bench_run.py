@@ -229,7 +229,7 @@ def run(args):
         recs[-1]["tail_peak_gib"] = torch.cuda.max_memory_allocated() / GIB
     h, meta = ((fsdp_layout.digest(held["model"], held["optimizer"]), fp8_meta_digest(held["model"]))
                if fsdp_layout.is_fsdp(held["model"]) else params_digest(held["model"]))
-    steady = [r for r in recs if r["iter"] > 2]
+    steady = [r for r in recs if r["iter"] > 2] or recs[-1:]  # a run of 2 iterations (a checkpoint's prep): its last
     rank = int(os.environ.get("RANK", "0"))
     summary = {
         "mode": args.mode, "chunk_mb": args.chunk_mb, "recompute": args.recompute, "rank": rank,

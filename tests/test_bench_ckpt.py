@@ -115,6 +115,8 @@ def test_the_summary_gives_medians_spread_and_each_target(tmp_path):
     assert ("setup adds 0.300 s; allowed: the masters over the link 0.100 s (at 45.0 GB/s) + the pinning 0.200 s "
             "(MET)") in text
     assert "iteration 4: DIFFER ['optimizer.x']" in text
+    # the first iteration after a load, beside the same ratio without offload
+    assert "without offload: 1.20x its steady step; builtin's first iteration / base's: 1.03x" in text
 
 
 def test_the_comparison_reads_both_checkpoints_entry_by_entry(tmp_path):

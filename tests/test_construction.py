@@ -172,3 +172,53 @@ def test_a_landing_block_that_does_not_fit_is_refused_by_name_and_each_master_co
     (said,) = [r.getMessage() for r in caplog.records]
     assert "landing block" in said and "refused by the host-memory check" in said and "pageable" in said
     assert "each copied into pageable memory of its own" in built.describe()
+
+
+@pytest.mark.parametrize("case", ["torch", "te"])
+def test_masters_in_the_landing_block_are_each_taken_into_the_engines_buffer(landed, train_module, tmp_path, case):
+    """Masters that landed in the one block share its storage: the engine still takes every one into its pinned
+    buffer (2xH100, 2026-11-28: it planned none of them, as views of a larger tensor, so Megatron-Core's own
+    gradient copy met masters left on the host), and steps bit-identically to an optimizer built without it."""
+    from bridge_fgo.engine import tensors
+    from bridge_fgo.engine.streamed import StreamedEngine
+    from support import dp
+    from test_resume_dp import one_rank
+
+    with one_rank(tmp_path), dp.megatron_core_with(case):
+        plain = dp.Run(case)
+        bridge_fgo.patch(offload="builtin", chunk_mb=1)
+        run = dp.Run(case)
+        masters = tensors.masters(run.dist)
+        assert len(masters) > 1 and len({m.untyped_storage().data_ptr() for m in masters}) == 1  # one block
+        engine = StreamedEngine([run.dist], 300)
+        engine.plan_bytes()
+        assert engine.master_bytes == sum(m.numel() * m.element_size() for m in masters)
+        engine.prepare()
+        assert all(tensors.same(m, e.host) for m, e in zip(
+            masters, (e for _, _, e in engine.plan.streamed_entries() if e.kind == "master")))
+        assert not any(construction.is_staged(m) for m in masters)
+        for _ in range(3):
+            run.step(engine)
+            plain.step()
+        for a, b in zip(run.model.module.parameters(), plain.model.module.parameters()):
+            assert torch.equal(a, b)
+        engine.close()
+        bridge_fgo.unpatch()
+
+
+def test_a_master_made_on_the_host_that_the_plan_would_leave_out_is_an_error_before_anything_moves(
+        landed, train_module, tmp_path, monkeypatch):
+    """The class of the 2026-11-28 failure is refused by the plan itself, before the first step, not met as
+    Megatron-Core's device mismatch inside it."""
+    from bridge_fgo.engine import tensors
+    from bridge_fgo.engine.streamed import StreamedEngine
+    from support import dp
+    from test_resume_dp import one_rank
+
+    with one_rank(tmp_path), dp.megatron_core_with("te"):
+        bridge_fgo.patch(offload="builtin", chunk_mb=1)
+        run = dp.Run("te")
+        monkeypatch.setattr(tensors.Movable, "take", lambda self, t: False)
+        with pytest.raises(bridge_fgo.BridgeFGOError, match="made on the host at construction"):
+            StreamedEngine([run.dist], 300).plan_bytes()
+        bridge_fgo.unpatch()

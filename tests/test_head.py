@@ -7,6 +7,7 @@ head copies in early must leave the results bit-identical, with every optimizer.
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 import torch
@@ -252,6 +253,10 @@ def test_with_activation_offloading_the_head_keeps_out_of_backward_and_the_line_
     assert_same(rig_snapshot(base), rig_snapshot(r))
     both = "Megatron-Core's fine-grained activation offloading is active too (offload_modules core_attn,attn_proj)"
     assert any(both in m and "builtin engine ready" in m for m in caplog.messages)
+    # where the preparation's time went (it runs inside a checkpoint load's time): each part, in order
+    (ready,) = [m for m in caplog.messages if "builtin engine ready" in m]
+    assert re.search(r"host buffer in [\d.]+ s \(the buffer [\d.]+ s, taking what exists [\d.]+ s, making the states "
+                     r"[\d.]+ s, the snapshot [\d.]+ s\)", ready), ready
     assert any(both in m and "offload active" in m for m in caplog.messages)
     (s,) = bridge_fgo.status().sessions
     assert s["activation_offload"] == ["core_attn", "attn_proj"]

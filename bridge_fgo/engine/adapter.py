@@ -70,11 +70,13 @@ class BuiltinAdapter:
             for said in {unverified(part.fsdp.opt) for part in self.engine.parts if part.fsdp is not None} - {None}:
                 logger.warning("%s%s", rank_prefix(), said)
         self.engine.prepare()
-        logger.info("%sbuiltin engine ready before the first step: %s; %d bytes of %s host buffer in %.2f s; %s",
+        laps = getattr(self.engine, "prepare_laps", None)
+        logger.info("%sbuiltin engine ready before the first step: %s; %d bytes of %s host buffer in %.2f s%s; %s",
                     rank_prefix(), ", ".join(self.engine.optimizers()) or "no optimizer",
                     self.engine.pinned_bytes,
                     "pinned" if self.engine.device is not None and self.engine.device.type == "cuda" else "CPU",
-                    time.perf_counter() - t0, self.window())
+                    time.perf_counter() - t0,
+                    f" ({', '.join(f'{what} {s:.2f} s' for what, s in laps)})" if laps else "", self.window())
 
     # -- the call sites ---------------------------------------------------------------------------
     def offload(self) -> int:

@@ -166,7 +166,9 @@ class Movable:
         if t.untyped_storage().nbytes() == 0:
             return False  # released elsewhere; never copy from freed storage
         key = storage_key(t)
-        if key in self.flats:  # a master of Megatron-FSDP's: a view, taken once
+        # views, each taken once: Megatron-FSDP's masters of its main-weight buffers (fsdp.py), and masters made on
+        # the host at construction, which share its landing block (construction.py)
+        if key in self.flats or construction.is_staged(t):
             if (key, t.data_ptr()) in self.seen:
                 return False
             self.seen.add((key, t.data_ptr()))

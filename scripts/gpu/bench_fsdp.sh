@@ -11,6 +11,8 @@
 #   strategies  optim and optim_grads, without offload and with the streamed step
 #   resumed  the streamed step saving at 4 and resumed from it, bf16 and FP8 tensorwise (compared with final's
 #            uninterrupted runs without offload: the same final parameters)
+#   fp8resume the FP8 tensorwise streamed step saving at 4 and resumed from it, then FP8 without offload
+#            uninterrupted (the same final parameters and FP8 scales; resumed's second half on its own)
 #   overhead bf16 without offload and with the streamed step, three of each interleaved (the step's overhead)
 # Issue 41's GPU runs: the 887M shape on Transformer Engine's layers and FusedAdam, deterministic_mode. A run
 # is skipped when its JSON exists or fewer than MIN_S seconds remain before DEADLINE_S. Results and logs
@@ -67,6 +69,11 @@ for g in "$@"; do
       fgo fp8_save_streamed $S --fp8 tensorwise --save $CK/fp8_streamed --save-interval 4
       fgo fp8_resume_streamed $S --fp8 tensorwise --load $CK/fp8_streamed --ckpt-step 4
       rm -rf $CK/fp8_streamed ;;
+    fp8resume)
+      fgo fp8_save_streamed $S --fp8 tensorwise --save $CK/fp8_streamed --save-interval 4
+      fgo fp8_resume_streamed $S --fp8 tensorwise --load $CK/fp8_streamed --ckpt-step 4
+      rm -rf $CK/fp8_streamed
+      base fp8_base $S --fp8 tensorwise ;;
     overhead)
       for i in 1 2 3; do base bf16_base_$i $S; fgo bf16_streamed_$i $S; done ;;
     strategies)

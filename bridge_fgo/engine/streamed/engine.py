@@ -49,6 +49,22 @@ def _weakly(method):
     return call
 
 
+class _Clock:
+    """Where prepare()'s time went, for the per-rank line (it runs inside a checkpoint load's time)."""
+
+    def __init__(self):
+        import time
+
+        self._now = time.perf_counter
+        self._last = self._now()
+        self.laps = []
+
+    def lap(self, what: str) -> None:
+        now = self._now()
+        self.laps.append((what, now - self._last))
+        self._last = now
+
+
 class StreamedEngine:
     def __init__(self, dist_optimizers, chunk_bytes: int, budget_bytes: Optional[int] = None, auto: bool = False,
                  norms_in_update: bool = False):
@@ -63,6 +79,7 @@ class StreamedEngine:
         self.fitting = Fitting(self.plan, self.transfers, self.head, budget_bytes, auto)
         self.snapshot = Snapshot(self.plan)  # what asynchronous saves hand their writer (snapshot.py)
         self.setup_peak: Optional[int] = None
+        self.prepare_laps: list = []  # (what, seconds) of the last prepare() that pinned the buffer
         self.steps_streamed = 0
         self._fsdp_hooks = subset.Shadows()
         # a checkpoint load comes next: the buffer's registration runs beside its reads, the warm pass after it
@@ -135,17 +152,23 @@ class StreamedEngine:
                 self._note_setup_peak()
             self.snapshot.allocate()  # dropped when the last training parked
             return
+        clock = _Clock()
         t.pin(defer=self.defer_pinning)
+        clock.lap("the buffer")
         t.take_all()  # masters made on the host at construction, states a load put elsewhere
+        clock.lap("taking what exists")
         for part in self.parts:
             if part.fsdp is not None:  # Megatron-FSDP's own copy outside an update reads the host masters
                 part.fsdp.hook(self._fsdp_hooks, _weakly(self.synchronize))
         if not self.readers.states_after_load:
             t.materialize()
+            clock.lap("making the states")
         self.readers.hook_loads()
         self.head.attach()
         self._note_setup_peak()
         self.snapshot.allocate(fault=not self.defer_pinning)  # beside a load: faulted in after it
+        clock.lap("the snapshot")
+        self.prepare_laps = clock.laps
         if t.copies.device_copies:
             if t.buffer.pending:
                 self._warm_pending = True  # after the load (after_load), once the registration is through

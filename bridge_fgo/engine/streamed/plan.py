@@ -9,7 +9,7 @@ import weakref
 from typing import Collection, Dict, Iterator, List, Optional, Tuple
 
 from ...errors import BridgeFGOError
-from .. import contracts, fsdp, layout, quantized
+from .. import construction, contracts, fsdp, layout, quantized
 from ..tensors import (MASTER, Bindings, Entry, Movable, flat, inner_params, kind_of, masters, model_params_of_masters,
                        same)
 
@@ -153,6 +153,10 @@ class Plan:
             for t in masters(opt, part.fsdp):
                 if movable.take(t):
                     moved_masters.add(id(t))
+                elif construction.is_staged(t):  # made on the host for this engine: left out, Megatron-Core's own
+                    # gradient copy would meet it there at the first step
+                    raise BridgeFGOError(f"internal: an fp32 master made on the host at construction (shape "
+                                         f"{tuple(t.shape)}) is not one the streamed step can take")
             part.bundles = [layout.bundle_of(part.index, gi, p, inner.param_groups[gi], inner, part.contract,
                                              movable, id(fsdp.local(p)) in moved_masters)
                             for gi, p in inner_params(inner)]
