@@ -447,3 +447,50 @@ def test_before_a_load_every_rank_has_the_states_the_dummy_step_makes(gloo, kind
     assert made(opt) == made(ref)
     assert [g.get("step") for g in opt.optimizer.param_groups] == [g.get("step") for g in ref.optimizer.param_groups]
     engine.close()
+
+
+def test_te_makes_its_states_as_dtensors_over_the_host_views_before_and_during_a_load(gloo, monkeypatch):
+    """Under Megatron-FSDP too, TE's own _initialize_state (host memory, then DTensor.from_local to the mesh's
+    device, then a copy back) does not run for its fp32 states: before the first step and in its loader each is
+    made as a DTensor over its host view (contracts.Contract.made_in), and the loaded values land there."""
+    ref = fsdp.make_optimizer(harness.Recorder(), optimizer="te")
+    step(ref)
+    opt = fsdp.make_optimizer(harness.Recorder(), optimizer="te")
+    made, real = [], type(opt.optimizer)._initialize_state
+
+    def counted(self, param, state_name, zero_buffer, store_param_remainders=False):  # TE's signature
+        made.append(state_name)
+        return real(self, param, state_name, zero_buffer, store_param_remainders)
+
+    monkeypatch.setattr(type(opt.optimizer), "_initialize_state", counted)
+    engine = StreamedEngine([opt], 40_000)
+    engine.prepare()
+    params = [p for g in opt.optimizer.param_groups for p in g["params"]]
+    moved = [p for p in params if p._local_tensor.numel()]
+    assert moved and not made  # (a parameter with no local elements has no entries: TE's own code makes it)
+    buf = engine.buffer.tensor
+    lo, hi = buf.data_ptr(), buf.data_ptr() + buf.numel()
+
+    def on_host_views():
+        for p in moved:
+            for value in opt.optimizer.state[p].values():
+                if isinstance(value, torch.Tensor) and value.dim():
+                    assert type(value).__name__ == "DTensor" and lo <= value._local_tensor.data_ptr() < hi
+
+    on_host_views()
+    ref_params = [p for g in ref.optimizer.param_groups for p in g["params"]]
+    # what an fsdp_dtensor load hands the optimizer: its own states, written in place by DCP, keyed by position
+    for p, q in zip(params, ref_params):
+        for name, value in opt.optimizer.state[p].items():
+            value._local_tensor.copy_(ref.optimizer.state[q][name]._local_tensor)
+    saved = {"state": {i: dict(opt.optimizer.state[p]) for i, p in enumerate(params)},
+             "param_groups": opt.optimizer.state_dict()["param_groups"]}
+    opt.optimizer.load_state_dict(saved)  # TE's loader makes every state anew: in the host views
+    engine.after_load()
+    assert not [m for m in made if m in ("exp_avg", "exp_avg_sq")], made
+    on_host_views()
+    for p, q in zip(moved, [q for p, q in zip(params, ref_params) if p._local_tensor.numel()]):
+        for name, value in opt.optimizer.state[p].items():
+            if isinstance(value, torch.Tensor) and value.dim():
+                assert torch.equal(value._local_tensor, ref.optimizer.state[q][name]._local_tensor)
+    engine.close()

@@ -18,7 +18,7 @@ from packaging.version import Version
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.optimizer import distrib_optimizer
 
-from bridge_fgo.engine import contracts
+from bridge_fgo.engine import contracts, tensors
 from conftest import MCORE
 from bridge_fgo.engine.streamed import StreamedEngine
 from test_resume_fix import FORMAT, checkpoint_load, optimizer
@@ -311,3 +311,42 @@ def test_the_buffers_registration_runs_beside_the_load_and_is_waited_for_after_i
 
     harness.run_steps(rig(optimizer="te"), steps=1)
     assert pins == [False]
+
+
+@pytest.mark.parametrize("case", ["te", "te-precision-aware-bf16"])
+def test_te_makes_its_fp32_states_in_their_host_views_before_and_during_a_load(megatron_core_for, monkeypatch, case):
+    """TE's fp32 states are made in their host views by its own _initialize_state, shadowed during the engine's
+    materialization and TE's loader (which makes every state anew): no fresh host pages, no second copy into the
+    buffer. States with a scale (bf16 moments) are still made by TE's own code. The resume stays bit-identical
+    (test_resume_writes_into_the_host_buffer_and_continues_bit_identically)."""
+    megatron_core_for("te")
+    metadata = {"distrib_optim_sharding_type": "dp_reshardable"}
+    source = fresh(case)
+    source_engine = StreamedEngine([source], 2000)
+    source_engine.prepare()
+    step(source, source_engine)
+    saved = copy.deepcopy(source.sharded_state_dict({}, False, metadata=metadata))
+
+    opt = fresh(case)
+    made = []  # the states TE's own _initialize_state makes
+    real = type(opt.optimizer)._initialize_state
+
+    def counted(self, param, state_name, zero_buffer, store_param_remainders=False):  # TE's signature
+        made.append(state_name)
+        return real(self, param, state_name, zero_buffer, store_param_remainders)
+
+    monkeypatch.setattr(type(opt.optimizer), "_initialize_state", counted)
+    engine = StreamedEngine([opt], 2000)
+    engine.prepare()
+    scaled = CASES[case].get("precision_aware")
+    assert set(made) == ({"exp_avg", "exp_avg_sq"} if scaled else set()), made  # TE's own code: the scaled ones
+    made.clear()
+    loading = opt.sharded_state_dict({}, True, metadata=metadata)
+    opt.load_state_dict(checkpoint_load(saved, loading))
+    engine.after_load()
+    assert set(made) == ({"exp_avg", "exp_avg_sq"} if scaled else set()), made
+    assert "_initialize_state" not in vars(opt.optimizer)  # the shadow is gone
+    for part in engine.parts:
+        b = part.bindings
+        assert all(tensors.same(b.get(e), e.host) for e in part.entries())
+    engine.close()

@@ -84,6 +84,14 @@ class Contract:
         method for it), on p's device; `device` is where its step runs (for states kept there)."""
         raise NotImplementedError
 
+    def made_in(self, inner, view_of):
+        """A context: while it holds, the states the optimizer's own code makes (create(), its checkpoint
+        loader) are made in the host views `view_of(param, key)` gives, where one fits, instead of fresh
+        memory that is then copied there. Nothing changes where the contract has no such hook."""
+        import contextlib
+
+        return contextlib.nullcontext()
+
     def advance_step(self, inner) -> None:
         """What one step() does to a step count kept in the param groups (group_step), nothing else:
         Megatron-Core's dummy step before an fsdp_dtensor load leaves it there for the load to fill."""
@@ -174,6 +182,54 @@ class TEFusedAdam(Contract):
         # TE 2.x step(): `if len(state) == 0: self.initialize_state(p, store_param_remainders)`
         remainders = bool(inner.store_param_remainders and p.dtype == torch.bfloat16)
         inner.initialize_state(p, remainders)
+
+    def made_in(self, inner, view_of):
+        """TE makes each state in `_initialize_state(param, state_name, zero_buffer, store_param_remainders)` (TE
+        2.x): `torch.empty_like(param)` where the parameter is, the host for a master, then `copy_` in
+        set_scaled_state (its loader makes every state anew); for a DTensor parameter (Megatron-FSDP) like its
+        local tensor, wrapped by DTensor.from_local, which moves it to the mesh's device. Shadowed on the
+        instance, an fp32 state, or a master's int16 remainders, is the host view itself (zeroed where TE
+        zeroes; under Megatron-FSDP a DTensor over it, kept on the host as the engine holds its states), so
+        neither a first materialization nor a load makes fresh memory and copies it again; states with a
+        scale (bf16/fp16/FP8) and quantized parameters are made by TE's own code, as before."""
+        import contextlib
+        import inspect
+
+        import torch
+
+        method = getattr(type(inner), "_initialize_state", None)
+        if method is None or list(inspect.signature(method).parameters)[:4] != [
+                "self", "param", "state_name", "zero_buffer"]:
+            return contextlib.nullcontext()  # another TE: its own code makes every state
+        from . import fsdp
+        from .subset import Shadows
+
+        original = inner._initialize_state
+
+        def initialize(param, state_name, zero_buffer, store_param_remainders=False):
+            dtype = torch.int16 if store_param_remainders else inner.name_to_dtype_map[state_name]
+            plain = fsdp.local(param)
+            view = (view_of(param, state_name) if type(plain) in (torch.Tensor, torch.nn.Parameter)
+                    and dtype in (torch.float32, torch.int16) else None)
+            if view is None or view.dtype != dtype or tuple(view.shape) != tuple(plain.shape):
+                return original(param, state_name, zero_buffer, store_param_remainders)
+            if zero_buffer or store_param_remainders:  # (TE makes remainders with zeros_like)
+                view.zero_()
+            inner.state[param][state_name] = (fsdp.host_dtensor(view, param.device_mesh, param.placements,
+                                                                param.size(), param.stride())
+                                              if fsdp.is_dtensor(param) else view)
+            return None
+
+        @contextlib.contextmanager
+        def shadowed():
+            shadows = Shadows()
+            shadows.set(inner, "_initialize_state", initialize)
+            try:
+                yield
+            finally:
+                shadows.restore()
+
+        return shadowed()
 
     def reload_from_param(self, inner, p):
         import torch

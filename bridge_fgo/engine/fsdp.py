@@ -346,7 +346,7 @@ class Layout:
                              stride=None, **kwargs):
                 if (device_mesh is not None and placements is not None and shape is not None and stride is not None
                         and not kwargs and device_mesh.device_type != "cpu" and on_host(local_tensor)):
-                    return _host_dtensor(local_tensor, device_mesh, placements, shape, stride)
+                    return host_dtensor(local_tensor, device_mesh, placements, shape, stride)
                 return from_local.__func__(local_tensor, device_mesh, placements, run_check=run_check, shape=shape,
                                            stride=stride, **kwargs)
 
@@ -396,7 +396,7 @@ def _twin_param(tw, orig):
     return p
 
 
-def _host_dtensor(lt, mesh, placements, shape, stride):
+def host_dtensor(lt, mesh, placements, shape, stride):
     """DTensor.from_local(lt, mesh, placements, shape=, stride=) without moving lt to the mesh's device."""
     import torch
     from torch.distributed.tensor import DTensor, Shard

@@ -66,6 +66,19 @@ class Part:
     def entries(self) -> List[Entry]:
         return [e for b in self.bundles for e in b.entries]
 
+    def view_of(self):
+        """view_of(param, key): the host view of a streamed state of this part (None where it has none: a
+        resident bundle, a dropped entry, no buffer yet), for the optimizer's own code to make that state
+        in (contracts.Contract.made_in)."""
+        views = {(id(b.param), e.key): e for b in self.bundles if not b.resident for e in b.entries
+                 if e.kind != MASTER and not e.dropped}
+
+        def view(param, key):
+            e = views.get((id(param), key))
+            return None if e is None else e.host
+
+        return view
+
     def flat_master(self, e) -> bool:
         """A master that is a view of Megatron-FSDP's flat buffer: never freed, nor kept as its own shell; the
         buffer is given up whole once none of its masters is bound to it (fsdp.Layout.retire, restore)."""

@@ -189,7 +189,7 @@ class Readers:
         inner = inner_ref()
         self.plan.writes += 1  # the load writes the masters (here, or in the same DistributedOptimizer load)
         try:
-            with self._params_on_host(inner), self._fsdp_states_on_host(inner):
+            with self._params_on_host(inner), self._fsdp_states_on_host(inner), self._made_in_views(inner):
                 result = (prior(*args, **kwargs) if prior is not None
                           else type(inner).load_state_dict(inner, *args, **kwargs))
         except BaseException:
@@ -229,6 +229,13 @@ class Readers:
         it (contracts.py), one parameter at a time, and taken into its host view: the load then writes into
         the pinned buffer (Megatron-FSDP, engine/fsdp.py)."""
         part = self.plan.part_of(opt_ref())
+        with part.contract.made_in(part.inner, part.view_of()):
+            self._dummy_states_of(part)
+        # the dummy step's count, which the load then overwrites: without it the state dict the load fills has no
+        # `step` in its groups, and a resumed run would start its bias correction again from 1
+        part.contract.advance_step(part.inner)
+
+    def _dummy_states_of(self, part) -> None:
         inner, b = part.inner, part.bindings
         for bundle in part.bundles:
             p = bundle.param
@@ -243,9 +250,6 @@ class Readers:
                 t = b.get(e)
                 if not e.dropped and t is not None and not same(t, e.host):
                     self.transfers.take(part, b, e, t)
-        # the dummy step's count, which the load then overwrites: without it the state dict the load fills has no
-        # `step` in its groups, and a resumed run would start its bias correction again from 1
-        part.contract.advance_step(inner)
 
     def _take_loaded(self) -> None:
         """The states a load bound, copied into their host views. Never freed here: they are the load's
@@ -282,6 +286,14 @@ class Readers:
             yield
         finally:  # every parameter back on its own storage, an interrupt between two of them included
             each(swapped, _bind_back)
+
+    def _made_in_views(self, inner):
+        """During the inner load of a distributed optimizer's part, the states its loader makes anew (TE's) are
+        made in their host views (contracts.Contract.made_in): no fresh memory, no second copy into the buffer."""
+        part = next((p for p in self.plan.parts if p.inner is inner), None)
+        if part is None or self.transfers.buffer is None:
+            return contextlib.nullcontext()
+        return part.contract.made_in(inner, part.view_of())
 
     @contextlib.contextmanager
     def _fsdp_states_on_host(self, inner):

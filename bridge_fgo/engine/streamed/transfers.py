@@ -145,21 +145,25 @@ class Transfers:
             if not part.contract.group_step:
                 continue
             inner, b = part.inner, part.bindings
-            for bundle in part.bundles:
-                if bundle.resident or not any(e.kind != MASTER for e in bundle.entries):
+            with part.contract.made_in(inner, part.view_of()):  # in the host views where the optimizer allows
+                self._materialize(part, inner, b)
+
+    def _materialize(self, part: Part, inner, b: Bindings) -> None:
+        for bundle in part.bundles:
+            if bundle.resident or not any(e.kind != MASTER for e in bundle.entries):
+                continue
+            if inner.state.get(bundle.param):
+                continue  # created already (a load, an earlier step): taken by take_all
+            part.contract.create(inner, bundle.param, inner.param_groups[bundle.group], self.device)
+            for e in bundle.entries:
+                t = b.get(e)
+                if e.kind == MASTER or e.dropped or t is None or same(t, e.host):
                     continue
-                if inner.state.get(bundle.param):
-                    continue  # created already (a load, an earlier step): taken by take_all
-                part.contract.create(inner, bundle.param, inner.param_groups[bundle.group], self.device)
-                for e in bundle.entries:
-                    t = b.get(e)
-                    if e.kind == MASTER or e.dropped or t is None or same(t, e.host):
-                        continue
-                    if tuple(t.shape) != e.shape or t.dtype != e.dtype:
-                        keep(part, b, e, e.host)  # unlike the plan: dropped, with the warning
-                        b.set(e, t.to(self.device))  # and on the device, where the update reads it
-                        continue
-                    self.take(part, b, e, t)
+                if tuple(t.shape) != e.shape or t.dtype != e.dtype:
+                    keep(part, b, e, e.host)  # unlike the plan: dropped, with the warning
+                    b.set(e, t.to(self.device))  # and on the device, where the update reads it
+                    continue
+                self.take(part, b, e, t)
 
     def check_takeover(self, part: Part, e: Entry, t, frees: bool = True) -> None:
         """A tensor unlike the plan is refused before anything is copied or freed; one whose storage
