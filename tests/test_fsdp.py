@@ -12,7 +12,7 @@ import bridge_fgo
 from bridge_fgo.engine import fsdp as engine_fsdp
 from bridge_fgo.engine.streamed import StreamedEngine
 from bridge_fgo.errors import BridgeFGOConfigError
-from support import fsdp, harness
+from support import fsdp, fused_adam, harness
 
 OPTIMIZERS = {"torch": dict(optimizer="torch"), "torch-for-loop": dict(optimizer="torch", foreach=False),
               "te": dict(optimizer="te")}
@@ -285,6 +285,20 @@ def test_megatron_fsdp_copy_outside_an_update_reads_the_host_masters(gloo):
     assert pgb.copy_main_weights_to_model_weights is not hooked  # put back as it was
 
 
+def _loaded_from(opt, ref):
+    """(opt's params, ref's params, the state dict) of what an fsdp_dtensor load hands `opt`'s inner optimizer:
+    its own states (DTensors over the host views) written in place by DCP with `ref`'s values, keyed by position
+    as Megatron-Core's FSDP branch of load_state_dict passes them."""
+    params = [p for g in opt.optimizer.param_groups for p in g["params"]]
+    ref_params = [p for g in ref.optimizer.param_groups for p in g["params"]]
+    for p, q in zip(params, ref_params):
+        for name, value in opt.optimizer.state[p].items():
+            value._local_tensor.copy_(ref.optimizer.state[q][name]._local_tensor)
+    saved = {"state": {i: dict(opt.optimizer.state[p]) for i, p in enumerate(params)},
+             "param_groups": opt.optimizer.state_dict()["param_groups"]}
+    return params, ref_params, saved
+
+
 def test_an_inner_load_holds_one_state_at_a_time_off_the_host(gloo):
     """Transformer Engine's load_state_dict remakes every state (DTensor.from_local moves a host local to the
     mesh's device) and torch's casts each loaded state to its parameter's device (the GPU, for Megatron-FSDP's
@@ -297,15 +311,7 @@ def test_an_inner_load_holds_one_state_at_a_time_off_the_host(gloo):
     opt = fsdp.make_optimizer(harness.Recorder(), optimizer="te")
     engine = StreamedEngine([opt], 40_000)
     engine.prepare()  # the states made in their host views before the load
-    # what an fsdp_dtensor load hands the optimizer: its own states (DTensors over the host views), written in
-    # place by DCP, keyed by position as Megatron-Core's FSDP branch of load_state_dict passes them
-    params = [p for g in opt.optimizer.param_groups for p in g["params"]]
-    ref_params = [p for g in ref.optimizer.param_groups for p in g["params"]]
-    for p, q in zip(params, ref_params):
-        for name, value in opt.optimizer.state[p].items():
-            value._local_tensor.copy_(ref.optimizer.state[q][name]._local_tensor)
-    saved = {"state": {i: dict(opt.optimizer.state[p]) for i, p in enumerate(params)},
-             "param_groups": opt.optimizer.state_dict()["param_groups"]}
+    params, ref_params, saved = _loaded_from(opt, ref)
     part = engine.plan.parts[0]
     b = part.bindings
     off_host, real = [], type(opt.optimizer).set_scaled_state
@@ -456,13 +462,7 @@ def test_te_makes_its_states_as_dtensors_over_the_host_views_before_and_during_a
     ref = fsdp.make_optimizer(harness.Recorder(), optimizer="te")
     step(ref)
     opt = fsdp.make_optimizer(harness.Recorder(), optimizer="te")
-    made, real = [], type(opt.optimizer)._initialize_state
-
-    def counted(self, param, state_name, zero_buffer, store_param_remainders=False):  # TE's signature
-        made.append(state_name)
-        return real(self, param, state_name, zero_buffer, store_param_remainders)
-
-    monkeypatch.setattr(type(opt.optimizer), "_initialize_state", counted)
+    made = fused_adam.count_own_states(monkeypatch, opt.optimizer)
     engine = StreamedEngine([opt], 40_000)
     engine.prepare()
     params = [p for g in opt.optimizer.param_groups for p in g["params"]]
@@ -478,13 +478,7 @@ def test_te_makes_its_states_as_dtensors_over_the_host_views_before_and_during_a
                     assert type(value).__name__ == "DTensor" and lo <= value._local_tensor.data_ptr() < hi
 
     on_host_views()
-    ref_params = [p for g in ref.optimizer.param_groups for p in g["params"]]
-    # what an fsdp_dtensor load hands the optimizer: its own states, written in place by DCP, keyed by position
-    for p, q in zip(params, ref_params):
-        for name, value in opt.optimizer.state[p].items():
-            value._local_tensor.copy_(ref.optimizer.state[q][name]._local_tensor)
-    saved = {"state": {i: dict(opt.optimizer.state[p]) for i, p in enumerate(params)},
-             "param_groups": opt.optimizer.state_dict()["param_groups"]}
+    _, ref_params, saved = _loaded_from(opt, ref)
     opt.optimizer.load_state_dict(saved)  # TE's loader makes every state anew: in the host views
     engine.after_load()
     assert not [m for m in made if m in ("exp_avg", "exp_avg_sq")], made

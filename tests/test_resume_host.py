@@ -23,6 +23,7 @@ from conftest import MCORE
 from bridge_fgo.engine.streamed import StreamedEngine
 from test_resume_fix import FORMAT, checkpoint_load, optimizer
 from test_streamed import OPTIMIZERS as CASES, assert_same, make, snapshot, step
+from support import fused_adam
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 import resume_fix  # noqa: E402
@@ -41,6 +42,12 @@ def megatron_core_for(monkeypatch):
 
     yield setup
     resume_fix.uninstall()
+
+
+def skip_old_precision_aware_load(case):
+    if CASES.get(case, {}).get("precision_aware") and Version(MCORE) < Version("0.17"):
+        pytest.skip(f"megatron-core {MCORE} passes dp_reshardable's non-tensor 'padding' entry to TE's "
+                    "set_scaled_state: a precision-aware load fails there with or without offload")
 
 
 def fresh(case):
@@ -63,9 +70,7 @@ def host_ranges(engine):
 @pytest.mark.parametrize("case", ["torch", "apex", "te", "te-precision-aware-bf16"])
 @pytest.mark.parametrize("fmt", ["dp_reshardable"])
 def test_resume_writes_into_the_host_buffer_and_continues_bit_identically(megatron_core_for, case, fmt):
-    if CASES.get(case, {}).get("precision_aware") and Version(MCORE) < Version("0.17"):
-        pytest.skip(f"megatron-core {MCORE} passes dp_reshardable's non-tensor 'padding' entry to TE's "
-                    "set_scaled_state: a precision-aware load fails there with or without offload")
+    skip_old_precision_aware_load(case)
     megatron_core_for("torch" if case == "torch" else case.split("-")[0])
     metadata = {"distrib_optim_sharding_type": fmt}
     source = fresh(case)
@@ -319,6 +324,7 @@ def test_te_makes_its_fp32_states_in_their_host_views_before_and_during_a_load(m
     materialization and TE's loader (which makes every state anew): no fresh host pages, no second copy into the
     buffer. States with a scale (bf16 moments) are still made by TE's own code. The resume stays bit-identical
     (test_resume_writes_into_the_host_buffer_and_continues_bit_identically)."""
+    skip_old_precision_aware_load(case)
     megatron_core_for("te")
     metadata = {"distrib_optim_sharding_type": "dp_reshardable"}
     source = fresh(case)
@@ -328,14 +334,7 @@ def test_te_makes_its_fp32_states_in_their_host_views_before_and_during_a_load(m
     saved = copy.deepcopy(source.sharded_state_dict({}, False, metadata=metadata))
 
     opt = fresh(case)
-    made = []  # the states TE's own _initialize_state makes
-    real = type(opt.optimizer)._initialize_state
-
-    def counted(self, param, state_name, zero_buffer, store_param_remainders=False):  # TE's signature
-        made.append(state_name)
-        return real(self, param, state_name, zero_buffer, store_param_remainders)
-
-    monkeypatch.setattr(type(opt.optimizer), "_initialize_state", counted)
+    made = fused_adam.count_own_states(monkeypatch, opt.optimizer)  # the states TE's own code makes
     engine = StreamedEngine([opt], 2000)
     engine.prepare()
     scaled = CASES[case].get("precision_aware")
