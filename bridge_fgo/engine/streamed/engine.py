@@ -147,6 +147,7 @@ class StreamedEngine:
         pins the same buffer again, in place."""
         t = self.transfers
         if t.buffer is not None:
+            self.prepare_laps = []  # (the buffer exists: nothing of the first preparation is done again)
             if t.buffer.unpinned:
                 t.buffer.repin()
                 self._note_setup_peak()

@@ -94,8 +94,8 @@ class Transfers:
         A master keeps a storage-less tensor on the compute device as its shell (reload binds it)."""
         # never freed here: a view of Megatron-FSDP's flat buffer, or a master made on the host at construction (a
         # view of its landing block, which goes once the last master is taken from it)
-        keep = part.flat_master(e) or (e.kind == MASTER and construction.is_staged(e.param))
-        self.check_takeover(part, e, t, frees=free and not keep)
+        stays = part.flat_master(e) or (e.kind == MASTER and construction.is_staged(e.param))
+        self.check_takeover(part, e, t, frees=free and not stays)
         if t.device.type != "cpu":
             self.ready()
         e.host.copy_(t.detach())
@@ -104,10 +104,10 @@ class Transfers:
         old = t.data  # a master is rebound in place (`master.data = view`): keep what it was bound to
         on_device = old.device == self.device
         if e.kind == MASTER:
-            part.shells[id(e.param)] = old if on_device and not keep else self.new_shell(e)
+            part.shells[id(e.param)] = old if on_device and not stays else self.new_shell(e)
             construction.unstage(e.param)
         b.set(e, e.host)
-        if free and on_device and not keep and (e.kind == MASTER or owns_storage(old)):
+        if free and on_device and not stays and (e.kind == MASTER or owns_storage(old)):
             old.untyped_storage().resize_(0)  # shared by anyone still holding the old tensor: freed for all
 
     def new_shell(self, e: Entry):
