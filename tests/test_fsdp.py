@@ -113,6 +113,54 @@ def test_megatron_fsdp_copy_runs_once_after_the_last_chunk(gloo, mocker):
     assert opt.events.count("start_param_sync") == 1
 
 
+def test_the_head_hooks_the_modules_own_parameters_and_its_prefetch_stays_exact(gloo, monkeypatch):
+    """The head's gradient hooks (streamed/head.py) under Megatron-FSDP: on the module's own parameters,
+    those Megatron-FSDP's `_grad_acc` hooks take the gradients of (the optimizer's DTensors take none in
+    backward), after those hooks; chunks copied in during a real backward leave the steps bit-identical."""
+    from bridge_fgo.engine.streamed import head as head_mod
+    from bridge_fgo.engine.streamed.head import Curve
+
+    monkeypatch.setattr(head_mod, "_microbatches", lambda: 1)
+    ref = fsdp.make_optimizer(harness.Recorder(), shapes=fsdp.EMPTY_SHAPES, optimizer="te")
+    opt = fsdp.make_optimizer(harness.Recorder(), shapes=fsdp.EMPTY_SHAPES, optimizer="te")
+    origs = [p for g in opt.model_chunks[0].param_and_grad_buffer.parameter_groups for p in g.params]
+    order = []
+    for p in origs:  # Megatron-FSDP's own hook, registered when it wraps the module (before any optimizer)
+        p.register_post_accumulate_grad_hook(lambda q: order.append("fsdp"))
+    engine = StreamedEngine([opt], 40_000)
+    engine.prepare()
+    head = engine.head
+    assert head.attached and len(head._handles) == len(origs)  # the one with no element here included
+    monkeypatch.setattr(head, "_fired", lambda real=head._fired: (order.append("head"), real())[1])
+    engine.fitting.window_at(40_000, 2)
+    slots = [s.nbytes for s in engine.transfers.window.slots]
+    assert len(engine.chunks) > 2 and len(slots) == 2
+    limit, hooks = 10**9, len(origs)
+    # room for one slot more at each hook: the head fills the window slot by slot
+    ahead = [limit - sum(slots[:min(k + 1, 2)]) for k in range(hooks)]
+    head._allocated = lambda: engine.transfers.window.held
+    head.curve, head.state = Curve(at=[0] * hooks, ahead=ahead, first=0, hooks=hooks, microbatches=1), "measured"
+    head.enable(limit)
+    for _ in range(3):
+        step(ref)
+        engine.offload()
+        engine.release()
+        order.clear()
+        sum(p.float().sum() for p in origs).backward()  # the last backward, through the module's parameters
+        assert order == ["fsdp", "head"] * hooks
+        assert len(engine.transfers.started) == 2  # the whole window in before gradient finalization
+        engine.reload()
+        try:
+            opt.step_states()
+        finally:
+            engine.settle()
+            engine.synchronize()
+        assert_same(fsdp.snapshot(ref), fsdp.snapshot(opt))
+    assert head.state == "on" and head.prefetched == 2
+    engine.close()
+    assert not head.attached
+
+
 def test_problems_name_the_field(gloo):
     opt = fsdp.make_optimizer(harness.Recorder(), strategy="no_shard")
     (p,) = engine_fsdp.problems(opt)

@@ -257,6 +257,10 @@ def test_with_activation_offloading_the_head_keeps_out_of_backward_and_the_line_
     (ready,) = [m for m in caplog.messages if "builtin engine ready" in m]
     assert re.search(r"host buffer in [\d.]+ s \(the buffer [\d.]+ s, taking what exists [\d.]+ s, making the states "
                      r"[\d.]+ s, the snapshot [\d.]+ s\)", ready), ready
+    # the first streamed step's own work (the first iteration after a load is that step): once per rank
+    (first,) = [m for m in caplog.messages if "the first streamed step's own work" in m]
+    assert re.search(r"took [\d.]+ s: reading backward's memory curve [\d.]+ s, the first window [\d.]+ s, "
+                     r"fitting the window and the head [\d.]+ s$", first), first
     assert any(both in m and "offload active" in m for m in caplog.messages)
     (s,) = bridge_fgo.status().sessions
     assert s["activation_offload"] == ["core_attn", "attn_proj"]

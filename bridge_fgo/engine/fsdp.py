@@ -89,6 +89,9 @@ class Layout:
         self.flats: List[Flat] = []
         self.by_orig: Dict[int, object] = {}  # id(Megatron-FSDP's original parameter) -> optimizer parameter
         self.kept: Dict[int, object] = {}  # id(optimizer parameter) -> its updated master in the model's dtype
+        # the module's own parameters the optimizer updates, those with no element here included: the ones
+        # Megatron-FSDP's `_grad_acc` hooks take the gradients of, so hooks of ours mark backward (head.py)
+        self.model_params: List[object] = []
         inner_ids = {id(p) for g in opt.optimizer.param_groups for p in g["params"]}
         for chunk in getattr(opt, "model_chunks", None) or ():
             pgb = getattr(chunk, "param_and_grad_buffer", None)
@@ -114,6 +117,7 @@ class Layout:
                     p = self.by_orig.get(id(orig))
                     if p is None or id(p) not in inner_ids:
                         continue
+                    self.model_params.append(orig)
                     lt = local(p)
                     if lt.numel() == 0:  # all of it on other ranks (the flat is sharded, not each parameter)
                         if lt.untyped_storage().data_ptr() == data.untyped_storage().data_ptr():

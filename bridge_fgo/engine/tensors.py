@@ -124,6 +124,14 @@ def masters(opt, layout=None) -> List[object]:
     return list(flat(getattr(opt, kind_of(opt).masters, None)))
 
 
+def model_params(opt, layout=None) -> List[object]:
+    """The model's parameters whose masters (or fp32 selves) the part updates: their gradients mark
+    backward's progress (streamed/head.py). Under Megatron-FSDP, `layout`'s: the module's own parameters."""
+    if layout is not None:
+        return list(layout.model_params)
+    return [p for name in kind_of(opt).model_groups for p in flat(getattr(opt, name, None))]
+
+
 def excluded_storages(opt, layout=None) -> Set[int]:
     """Storages that never move: model parameters, fp32 shards that alias them, param/grad buffers."""
     if layout is not None:

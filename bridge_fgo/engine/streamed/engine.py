@@ -49,8 +49,15 @@ def _weakly(method):
     return call
 
 
+def _say_first_step(laps) -> None:
+    """Once per rank: the first streamed step's own work (the first iteration after a load is that step)."""
+    logger.info("%sthe first streamed step's own work took %.3f s: %s", rank_prefix(), sum(s for _, s in laps),
+                ", ".join(f"{what} {s:.3f} s" for what, s in laps))
+
+
 class _Clock:
-    """Where prepare()'s time went, for the per-rank line (it runs inside a checkpoint load's time)."""
+    """Where prepare()'s time went, for the per-rank line (it runs inside a checkpoint load's time), and
+    the first streamed step's own work (the first iteration after a load is that step)."""
 
     def __init__(self):
         import time
@@ -81,6 +88,7 @@ class StreamedEngine:
         self.setup_peak: Optional[int] = None
         self.prepare_laps: list = []  # (what, seconds) of the last prepare() that pinned the buffer
         self.steps_streamed = 0
+        self._first_laps: list = []  # (what, seconds) of the first streamed step's own work, until it is said
         self._fsdp_hooks = subset.Shadows()
         # a checkpoint load comes next: the buffer's registration runs beside its reads, the warm pass after it
         self.defer_pinning = False
@@ -224,9 +232,14 @@ class StreamedEngine:
             self.transfers.adopt()
             self.release()
         self.readers.drop_guards()  # the update's own copies are ordered after the tail on the GPU
+        clock = _Clock()  # the first step's own work, said after it
         self.head.end_step()
         self.probe.at_reload(self.device)
+        clock.lap("reading backward's memory curve")
         self.fitting.first_window()  # the first step's window under the run's peak so far (chunk_mb=auto)
+        clock.lap("the first window")
+        if self.steps_streamed == 0:
+            self._first_laps = clock.laps
         self.update.arm()
         return self.bytes
 
@@ -273,7 +286,10 @@ class StreamedEngine:
         if self.torn is not None or (not wait and t.tail is not None and was_armed):
             self.readers.guard()
         if self.steps_streamed == 1 and not self.probe.done:
+            clock = _Clock()
             self.fitting.after_first_step(self.synchronize)
+            clock.lap("fitting the window and the head")
+            _say_first_step(self._first_laps + clock.laps)
 
     def synchronize(self) -> None:
         """The host copy is whole and current: wait for every copy in flight."""

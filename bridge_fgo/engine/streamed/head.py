@@ -32,7 +32,7 @@ from typing import Callable, List, Optional, Tuple
 
 from ...log import logger, once, rank_prefix
 from ..firststep import margin
-from ..tensors import kind_of
+from ..tensors import model_params
 
 MARKS = (512 * 2039, 512 * 2029)  # bytes; small-pool sizes no model is likely to allocate back to back
 TRACE_ENTRIES = 4_000_000  # the allocator's event ring for the measured step
@@ -139,7 +139,8 @@ class Head:
 
     # -- hooks on the model's parameters ----------------------------------------------------------
     def attach(self) -> None:
-        """A gradient-accumulation hook on every model parameter the optimizers update."""
+        """A gradient-accumulation hook on every model parameter the optimizers update (under Megatron-FSDP
+        the module's own, after Megatron-FSDP's hooks on them: each fires once its gradient is taken)."""
         if self._handles:
             return
         me = weakref.ref(self)
@@ -150,12 +151,9 @@ class Head:
                 head._fired()
 
         for part in self.plan.parts:
-            opt = part.opt
-            for name in kind_of(opt).model_groups:
-                for group in getattr(opt, name, None) or ():
-                    for p in group:
-                        if getattr(p, "requires_grad", False) and hasattr(p, "register_post_accumulate_grad_hook"):
-                            self._handles.append(p.register_post_accumulate_grad_hook(fired))
+            for p in model_params(part.opt, part.fsdp):
+                if getattr(p, "requires_grad", False) and hasattr(p, "register_post_accumulate_grad_hook"):
+                    self._handles.append(p.register_post_accumulate_grad_hook(fired))
 
     def detach(self) -> None:
         self._stop_recording()
