@@ -245,6 +245,9 @@ def main():
     if args.cmd == "run" and args.act_offload and not args.te_spec:
         ap.error("--act-offload needs --te-spec: Megatron-Bridge allows activation offloading only with "
                  "transformer_impl='transformer_engine'")
+    if args.cmd == "run" and args.load and not os.path.isfile(os.path.join(args.load, "latest_checkpointed_iteration.txt")):
+        # Bridge would train from scratch: a "resumed" run that resumed nothing (2026-11-28: a cleanup removed it)
+        ap.error(f"--load {args.load}: no checkpoint there (no latest_checkpointed_iteration.txt)")
     if args.cmd == "run" and args.offload_fraction is not None:
         if not 0 < args.offload_fraction <= 1:
             ap.error("--offload-fraction must be in (0, 1]")

@@ -179,6 +179,15 @@ def test_the_out_folder_is_made_before_the_run(tmp_path):
     bench_run.prepare_out(None)
 
 
+def test_a_run_told_to_resume_from_no_checkpoint_is_refused(tmp_path):
+    # Bridge would train from scratch and the run would pass for a resumed one (2026-11-28: a cleanup had
+    # removed the checkpoint a later device call's run resumed from)
+    run = [sys.executable, os.path.join(SCRIPTS, "bench_offload.py"), "run", "--mode", "base", "--load", str(tmp_path),
+           "--iters", "2"]
+    out = subprocess.run(run, capture_output=True, text=True)
+    assert out.returncode == 2 and "no checkpoint there (no latest_checkpointed_iteration.txt)" in out.stderr
+
+
 def test_trace_streams_finds_where_the_compute_stream_waited(tmp_path):
     """scripts/trace_streams.py on a made-up timeline: kernels on stream 7, 2 ms idle while an engine copy
     in runs, the copies' figures beside."""

@@ -51,7 +51,10 @@ group() {  # group NAME LAYOUT FORMAT-ARGS...
       > $R/${g}_compare.log 2>&1
     echo "COMPARE $g: $(tr '\n' ' ' < $R/${g}_compare.log)"
   fi
-  [[ $(left) -lt $MIN_S && ! -f $R/${g}_compare.json ]] || rm -rf $CK/$g  # kept only while a later call needs it
+  # kept while a later call needs it: a run of the group without its JSON (it resumes from prep), or the compare
+  local missing=0
+  for rep in $(seq 1 $REPS); do for mode in base builtin; do [[ -f $R/${g}_${mode}_r${rep}.json ]] || missing=1; done; done
+  [[ $missing == 1 || ! -f $R/${g}_compare.json ]] || rm -rf $CK/$g
 }
 [[ $# -gt 0 ]] || set -- one-dp one-full dp2-dp dp2-full
 for g in "$@"; do
