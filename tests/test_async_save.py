@@ -692,9 +692,10 @@ def test_a_snapshot_that_cannot_be_made_is_said_once_and_the_writers_copy_as_bef
     assert "RLIMIT_NOFILE is 16" in said and "ulimit -n" in said
 
 
-def test_beside_a_load_the_snapshot_is_faulted_in_after_it(train_module, megatron_core_for, tmp_path):
-    """The load's reads fault pages in too: the snapshot is made before the load (the host views exist) and
-    faulted in once the load returned."""
+def test_beside_a_load_the_snapshot_is_made_and_faulted_in_after_it(train_module, megatron_core_for, tmp_path):
+    """The load's reads fault pages in too, and making the snapshot allocates its pages (/dev/shm): beside a
+    load nothing of it is made; a background thread makes it and faults it in once the load returned, and the
+    first save waits for that thread."""
     setup_kind(megatron_core_for, "te")
     bridge_fgo.patch(offload="builtin", chunk_mb=1)
     rig = rig_for("te", tmp_path, ViewWriterQueue())
@@ -703,11 +704,12 @@ def test_beside_a_load_the_snapshot_is_faulted_in_after_it(train_module, megatro
 
     def load(state, model, optimizer, scheduler):
         snap = engine_of(rig).snapshot
-        during.append((snap.kept, snap._faulting))
+        during.append((snap.tensors, snap._faulting))
         return 0, 0
 
     site(load, None, (rig.global_state, rig.model, rig.optimizer, None), {})
     snap = engine_of(rig).snapshot
-    assert during == [(True, None)] and snap._faulting is not None  # started after the load
+    assert during == [({}, None)] and snap._faulting is not None  # nothing made beside the load; started after it
     save_site()(view_writer_save, None, (rig.global_state, rig.dist_optimizer, tmp_path / "held.pt"), {})
     assert snap.served and snap._faulting is None  # the save waited for it
+    assert snap.kept and all(t.is_shared() for _, t in snap.tensors.values())

@@ -733,20 +733,28 @@ def test_refused_through_the_real_train_step_before_anything_is_pinned(monkeypat
 
 # -- a registration deferred beside a checkpoint load's reads ---------------------------------------------
 
-def test_a_deferred_registration_runs_in_its_own_thread_until_waited_for(fake_cuda, tmp_path, monkeypatch):
+def test_a_deferred_registration_runs_in_its_own_thread_until_waited_for(fake_cuda, tmp_path, monkeypatch,
+                                                                         record_touch):
     gate = threading.Event()
     real = fake_cuda.cudaHostRegister
+    affinity = []
 
     def slow_register(ptr, n, flags):
+        affinity.append(frozenset(os.sched_getaffinity(0)))
         gate.wait(10)  # held until the caller has gone on
         return real(ptr, n, flags)
     monkeypatch.setattr(fake_cuda, "cudaHostRegister", slow_register)
-    bytes0 = hostmem.pinned_bytes()
+    bytes0, before = hostmem.pinned_bytes(), os.sched_getaffinity(0)
     buf = hostmem.pin(3 * 2**20, root=str(tmp_path), defer=True)
     assert buf.pending and fake_cuda.calls == []  # returned before the registration ran
+    # no first touch beside the load (its writes would race with the load's): the registration faults the
+    # pages in, from its thread bound to the GPU's node; the pages read as zero until written
+    assert record_touch == [] and buf.zeroed and int(buf.tensor.count_nonzero()) == 0
+    assert buf.numa_node == 1 and "first touched by the deferred registration's thread (bound" in buf.placement
     buf.tensor[:5] = 7  # a load writes into the pages meanwhile
     gate.set()
     buf.wait()
+    assert affinity == [frozenset({one_cpu()})] and os.sched_getaffinity(0) == before  # only that thread bound
     assert not buf.pending and buf.registered and buf.method == "cudaHostRegister" and buf.register_s >= 0
     kind, ptr, n, _, tid, dev = fake_cuda.calls[0]
     assert (kind, ptr, n, dev) == ("register", buf.tensor.data_ptr(), 3 * 2**20, 2) and tid != threading.get_ident()

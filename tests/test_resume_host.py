@@ -349,3 +349,45 @@ def test_te_makes_its_fp32_states_in_their_host_views_before_and_during_a_load(m
         b = part.bindings
         assert all(tensors.same(b.get(e), e.host) for e in part.entries())
     engine.close()
+
+
+@pytest.mark.parametrize("zeroed", [True, False])
+def test_states_made_in_a_buffer_fresh_from_the_kernel_are_not_zeroed_again(megatron_core_for, monkeypatch, zeroed):
+    """The host buffer as the kernel hands it out reads as zero (hostmem.pin: fresh anonymous pages): TE's fp32
+    states made in their views there are not written again (the zeros would only fault the pages in, inside a
+    checkpoint load's time). A buffer that may hold anything (the pin_memory=True fallback) is zeroed where TE
+    zeroes. Either way the states read as TE makes them: zero."""
+    import torch
+
+    from bridge_fgo import hostmem
+
+    megatron_core_for("te")
+    real_pin = hostmem.pin
+
+    def pin(nbytes, **kw):
+        buf = real_pin(nbytes, **kw)
+        assert buf.zeroed and int(buf.tensor.count_nonzero()) == 0
+        if not zeroed:  # as the fallback may hand it out: old bytes
+            buf.tensor.fill_(0x7F)
+            buf.zeroed = False
+        return buf
+
+    monkeypatch.setattr(hostmem, "pin", pin)
+    opt = fresh("te")
+    engine = StreamedEngine([opt], 2000)
+    into_buffer = []
+    real_zero = torch.Tensor.zero_
+
+    def zero_(t):
+        buf = engine.transfers.buffer
+        if buf is not None and buf.tensor.data_ptr() <= t.data_ptr() < buf.tensor.data_ptr() + buf.nbytes:
+            into_buffer.append(tuple(t.shape))
+        return real_zero(t)
+
+    monkeypatch.setattr(torch.Tensor, "zero_", zero_)
+    engine.prepare()
+    monkeypatch.setattr(torch.Tensor, "zero_", real_zero)
+    states = [v for s in opt.optimizer.state.values() for k, v in s.items() if k in ("exp_avg", "exp_avg_sq")]
+    assert states and all(int(v.count_nonzero()) == 0 for v in states)
+    assert bool(into_buffer) is not zeroed, into_buffer
+    engine.close()

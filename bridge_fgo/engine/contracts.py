@@ -84,10 +84,11 @@ class Contract:
         method for it), on p's device; `device` is where its step runs (for states kept there)."""
         raise NotImplementedError
 
-    def made_in(self, inner, view_of):
+    def made_in(self, inner, view_of, zeroed: bool = False):
         """A context: while it holds, the states the optimizer's own code makes (create(), its checkpoint
         loader) are made in the host views `view_of(param, key)` gives, where one fits, instead of fresh
-        memory that is then copied there. Nothing changes where the contract has no such hook."""
+        memory that is then copied there (`zeroed`: those views read as zero already, and are not zeroed
+        again). Nothing changes where the contract has no such hook."""
         import contextlib
 
         return contextlib.nullcontext()
@@ -183,7 +184,7 @@ class TEFusedAdam(Contract):
         remainders = bool(inner.store_param_remainders and p.dtype == torch.bfloat16)
         inner.initialize_state(p, remainders)
 
-    def made_in(self, inner, view_of):
+    def made_in(self, inner, view_of, zeroed: bool = False):
         """TE makes each state in `_initialize_state(param, state_name, zero_buffer, store_param_remainders)` (TE
         2.x): `torch.empty_like(param)` where the parameter is, the host for a master, then `copy_` in
         set_scaled_state (its loader makes every state anew); for a DTensor parameter (Megatron-FSDP) like its
@@ -191,7 +192,9 @@ class TEFusedAdam(Contract):
         instance, an fp32 state, or a master's int16 remainders, is the host view itself (zeroed where TE
         zeroes; under Megatron-FSDP a DTensor over it, kept on the host as the engine holds its states), so
         neither a first materialization nor a load makes fresh memory and copies it again; states with a
-        scale (bf16/fp16/FP8) and quantized parameters are made by TE's own code, as before."""
+        scale (bf16/fp16/FP8) and quantized parameters are made by TE's own code, as before. In a buffer fresh
+        from the kernel (`zeroed`) the zeros are there already: writing them would only fault the pages in
+        on this thread, inside a checkpoint load's time."""
         import contextlib
         import inspect
 
@@ -213,7 +216,7 @@ class TEFusedAdam(Contract):
                     and dtype in (torch.float32, torch.int16) else None)
             if view is None or view.dtype != dtype or tuple(view.shape) != tuple(plain.shape):
                 return original(param, state_name, zero_buffer, store_param_remainders)
-            if zero_buffer or store_param_remainders:  # (TE makes remainders with zeros_like)
+            if (zero_buffer or store_param_remainders) and not zeroed:  # (TE makes remainders with zeros_like)
                 view.zero_()
             inner.state[param][state_name] = (fsdp.host_dtensor(view, param.device_mesh, param.placements,
                                                                 param.size(), param.stride())

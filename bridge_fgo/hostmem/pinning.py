@@ -1,5 +1,5 @@
-"""The pinned host buffer: allocate, first-touch on the GPU's NUMA node, cudaHostRegister (with
-torch.empty(pin_memory=True) as the logged fallback), and release exactly once.
+"""The pinned host buffer: allocate (fresh anonymous pages: it reads as zero), first-touch on the GPU's NUMA
+node, cudaHostRegister (with torch.empty(pin_memory=True) as the logged fallback), and release exactly once.
 
 A PinnedHost is released by free(), or, when its owner drops it without free(), by a finalizer when
 it is garbage-collected; either way cudaHostUnregister runs once and the bytes leave the process-wide
@@ -44,6 +44,17 @@ def _count(nbytes: int, buffers: int) -> None:
     with _lock:
         _live["bytes"] += nbytes
         _live["buffers"] += buffers
+
+
+def _zero_pages(nbytes: int):
+    """`nbytes` of fresh anonymous memory as a 1-D uint8 tensor: zero, as the kernel hands out pages, and
+    faulted in only where first touched (torch.empty's pages may be recycled ones: its allocator decides).
+    The tensor keeps the mapping alive; the last view dropped unmaps it."""
+    import mmap
+
+    import torch
+
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
 
 
 def _register(tensor, device: int, nbytes: int):
@@ -107,8 +118,9 @@ class PinnedHost:
     once released. Release it with free(); one dropped without free() is released when collected."""
 
     def __init__(self, tensor, nbytes: int, method: str, *, device: Optional[int] = None,
-                 numa_node: Optional[int] = None, placement: str = "", seconds: float = 0.0):
+                 numa_node: Optional[int] = None, placement: str = "", seconds: float = 0.0, zeroed: bool = False):
         self.nbytes = nbytes
+        self.zeroed = zeroed        # every byte read as zero when it was handed out (fresh anonymous pages)
         self.method = method        # "cudaHostRegister", "pin_memory=True", or "unpinned (...)"
         self.device = device        # the CUDA device it is registered for; None: not registered
         self.numa_node = numa_node  # the node it was first-touched on; None: no placement
@@ -223,13 +235,21 @@ class PinnedHost:
         return f"PinnedHost({self.nbytes} bytes, {self.method}{', freed' if self.freed else ''})"
 
 
-def _start_register(held: Dict[str, object], tensor, device: int, nbytes: int) -> None:
-    """cudaHostRegister in a thread of its own (pin(defer=True)); wait() or the release joins it."""
+def _start_register(held: Dict[str, object], tensor, device: int, nbytes: int, cpus=None) -> None:
+    """cudaHostRegister in a thread of its own (pin(defer=True)), bound to `cpus` where given (the pages it
+    faults in land on their node); wait() or the release joins it."""
+    import os
+
     import torch
 
     def register():
         t0 = time.perf_counter()
         try:
+            if cpus:
+                try:
+                    os.sched_setaffinity(0, cpus)  # this thread only
+                except OSError:
+                    pass  # (a cpuset without them: the pages go where the default policy puts them)
             torch.cuda.set_device(device)
             held["register_result"] = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0)
         except BaseException as exc:  # said by _settle, in the caller's thread
@@ -322,10 +342,12 @@ def pin(nbytes: int, *, device_index: Optional[int] = None, numa: bool = True,
     pages are freed and pin_memory=True is tried; if that fails too, BridgeFGOConfigError. Without
     CUDA, or for 0 bytes: an unpinned, untouched tensor (registered False) and no message; it counts
     in pinned_bytes() like the others. `target` replaces the lookup of the GPU's node (a benchmark
-    placing the buffer on another node). `defer`: the pages are allocated and touched here, and
-    cudaHostRegister runs in a thread of its own (a checkpoint load reads from disk meanwhile, writing
-    into the pages); PinnedHost.wait() joins it before any copy to or from the GPU, and a refusal there
-    leaves the buffer pageable with one WARNING instead of the pin_memory=True fallback."""
+    placing the buffer on another node). `defer`: only the pages are mapped here; cudaHostRegister runs
+    in a thread of its own, bound to the node's CPUs, and faults them in (a checkpoint load reads from
+    disk meanwhile, writing into the pages: a first touch here would race with it);
+    PinnedHost.wait() joins it before any copy to or from the GPU, and a refusal there leaves the buffer
+    pageable with one WARNING instead of the pin_memory=True fallback. The buffer reads as zero when
+    handed out (`zeroed`), but for the pin_memory=True fallback's."""
     import torch
 
     if nbytes < 0:
@@ -333,24 +355,29 @@ def pin(nbytes: int, *, device_index: Optional[int] = None, numa: bool = True,
     t0 = time.perf_counter()
     if nbytes == 0 or not torch.cuda.is_available():
         why = "CUDA unavailable" if nbytes else "empty"
-        return PinnedHost(torch.empty(nbytes, dtype=torch.uint8), nbytes, f"unpinned ({why})",
-                          placement=f"no placement: {why}", seconds=time.perf_counter() - t0)
+        return PinnedHost(_zero_pages(nbytes) if nbytes else torch.empty(0, dtype=torch.uint8), nbytes,
+                          f"unpinned ({why})", placement=f"no placement: {why}", seconds=time.perf_counter() - t0,
+                          zeroed=True)
     device = torch.cuda.current_device() if device_index is None else int(device_index)
     if target is None:
         target = (_numa.numa_target(device, root=root) if numa
                   else _numa.NumaTarget(None, (), "NUMA placement not requested: plain first touch"))
-    tensor = torch.empty(nbytes, dtype=torch.uint8)
-    node, placement = _numa.first_touch(tensor, target)  # registering then pins pages already present
+    tensor = _zero_pages(nbytes)
     if defer:
-        buf = PinnedHost(tensor, nbytes, "cudaHostRegister", device=device, numa_node=node, placement=placement,
-                         seconds=time.perf_counter() - t0)
-        _start_register(buf._held, tensor, device, nbytes)
+        # no first touch here: its writes would race with the load's into the same pages. The registration
+        # faults the pages in from its own thread (bound to the node's CPUs), keeping what was written first
+        buf = PinnedHost(tensor, nbytes, "cudaHostRegister", device=device, numa_node=target.node,
+                         placement=(f"{target.reason}: first touched by the deferred registration's thread"
+                                    + (" (bound to those CPUs)" if target.node is not None else "")),
+                         seconds=time.perf_counter() - t0, zeroed=True)
+        _start_register(buf._held, tensor, device, nbytes, target.cpus if target.node is not None else None)
         logger.debug("%s%s; registration deferred", rank_prefix(), buf.describe())
         return buf
+    node, placement = _numa.first_touch(tensor, target)  # registering then pins pages already present
     err = _register(tensor, device, nbytes)
     if _code(err) == 0:
         buf = PinnedHost(tensor, nbytes, "cudaHostRegister", device=device, numa_node=node,
-                         placement=placement, seconds=time.perf_counter() - t0)
+                         placement=placement, seconds=time.perf_counter() - t0, zeroed=True)
     else:
         rounded = 1 << (nbytes - 1).bit_length()
         logger.warning(

@@ -62,15 +62,16 @@ class TEFusedAdam(torch.optim.Optimizer):
         self.store_param_remainders = store_param_remainders and master_weights and master_weight_dtype == torch.float32
 
     # -- TE's state helpers --------------------------------------------------------------------
-    def _initialize_state(self, param, name, zero_buffer, store_param_remainders=False):
-        dtype = self.name_to_dtype_map[name]
+    def _initialize_state(self, param, state_name, zero_buffer, store_param_remainders=False):
+        # (TE 2.x's signature, names included: bridge_fgo's shadow of it checks them, contracts.Contract.made_in)
+        dtype = self.name_to_dtype_map[state_name]
         data = (torch.zeros_like(param, dtype=torch.int16) if store_param_remainders
                 else torch.empty_like(param, dtype=dtype))
         if zero_buffer:
             data.zero_()
-        self.state[param][name] = data
+        self.state[param][state_name] = data
         if dtype != torch.float32:
-            self._scales.setdefault(param, {})[name] = torch.ones([1], dtype=torch.float32, device=param.device)
+            self._scales.setdefault(param, {})[state_name] = torch.ones([1], dtype=torch.float32, device=param.device)
 
     def initialize_state(self, param, store_param_remainders=False):
         self._initialize_state(param, "exp_avg", zero_buffer=True)

@@ -170,12 +170,12 @@ class StreamedEngine:
             if part.fsdp is not None:  # Megatron-FSDP's own copy outside an update reads the host masters
                 part.fsdp.hook(self._fsdp_hooks, _weakly(self.synchronize))
         if not self.readers.states_after_load:
-            t.materialize()
+            t.materialize(zeroed=t.buffer.zeroed)  # the states not taken: views nothing wrote since pin()
             clock.lap("making the states")
         self.readers.hook_loads()
         self.head.attach()
         self._note_setup_peak()
-        self.snapshot.allocate(fault=not self.defer_pinning)  # beside a load: faulted in after it
+        self.snapshot.allocate(fault=not self.defer_pinning)  # beside a load: made and faulted in after it
         clock.lap("the snapshot")
         self.prepare_laps = clock.laps
         if t.copies.device_copies:

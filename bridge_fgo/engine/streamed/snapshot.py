@@ -12,8 +12,8 @@ With it (read in nvidia-resiliency-ext 0.6.0 and Megatron-Core 0.19.2):
   by handle (torch's reductions move a storage into shared memory only when it is not there yet);
 - the persistent worker drops what a request handed it once the request is written (`del item`,
   gc.collect(); only GPU tensors are cached there), so keeping the snapshot holds no second copy;
-- so a save copies the host states once, into pages faulted in long before (a thread at prepare()), at
-  memcpy speed, from several threads.
+- so a save copies the host states once, into pages faulted in long before (a thread started at prepare(),
+  or after a checkpoint load, which it is made after too), at memcpy speed, from several threads.
 
 One snapshot, reused: the save_checkpoint call site finishes a pending asynchronous save before the next
 starts (instrument/saves.py, finish_pending), so no writer still reads the snapshot when the next save
@@ -57,20 +57,30 @@ class Snapshot:
         self.copy_s: List[float] = []  # each save's copy into the snapshot
         self.served = 0       # tensors handed to the writer from the snapshot, last save
         self._unfaulted = False  # allocated, its fault-in not started yet
+        self._later = False   # beside a load: made and faulted in by the background thread after it
         self._taken = False   # copied for the save in progress
 
     @property
     def kept(self) -> bool:
+        self._ready()
         return bool(self.tensors)
 
     # -- made once ---------------------------------------------------------------------------------
     def allocate(self, fault: bool = True) -> None:
         """One tensor per streamed entry (route shm: its own shared storage), faulted in by a background
-        thread (`fault`; otherwise at fault_in(): not beside a checkpoint load's reads, which fault pages
-        in too); nothing when no route is set. A snapshot that cannot be made is said once, and the
-        writers' own copies serve the saves as before."""
-        if self.route is None or self.tensors:
+        thread; nothing when no route is set. Not `fault` (beside a checkpoint load, whose reads fault pages
+        in too): nothing now, the snapshot is made and faulted in by that thread once the load returned
+        (fault_in()), off the load's time. A snapshot that cannot be made is said once, and the writers' own
+        copies serve the saves as before."""
+        if self.route is None or self.tensors or self._later:
             return
+        if not fault:
+            self._later = True
+            return
+        self._make()
+        self.fault_in()
+
+    def _make(self) -> None:
         import torch
 
         entries = [e for _, _, e in self.plan.streamed_entries() if e.nbytes and e.host is not None]
@@ -78,7 +88,7 @@ class Snapshot:
         if why is None:
             try:
                 made = {}
-                for e in entries:
+                for e in entries:  # (a shared storage is allocated whole here: posix_fallocate in /dev/shm)
                     if self.route == SHM:
                         t = torch.empty(0, dtype=e.dtype).set_(torch.UntypedStorage._new_shared(e.nbytes), 0, e.shape)
                     else:
@@ -96,8 +106,6 @@ class Snapshot:
             return
         self.nbytes = sum(e.nbytes for e, _ in self.tensors.values())
         self._unfaulted = True
-        if fault:
-            self.fault_in()
         logger.info("%sasynchronous checkpoint saves: a snapshot of the host states kept for the run, %d tensor(s), "
                     "%s in %s, its pages faulted in by a background thread; each save copies the states into it "
                     "once and hands it to the writer, which neither clones nor moves it", rank_prefix(),
@@ -105,7 +113,13 @@ class Snapshot:
                     "/dev/shm (shared memory)" if self.route == SHM else "this process's memory")
 
     def fault_in(self) -> None:
-        """The snapshot's pages faulted in by a background thread, once."""
+        """The snapshot's pages faulted in by a background thread, once; made there first where allocate()
+        left it for later."""
+        if self._later:
+            self._later = False
+            self._faulting = threading.Thread(target=self._make_and_fault, name="bridge_fgo-snapshot", daemon=True)
+            self._faulting.start()
+            return
         if not self.tensors or not self._unfaulted:
             return
         self._unfaulted = False
@@ -113,6 +127,18 @@ class Snapshot:
         self._faulting = threading.Thread(target=self._fault_in, args=(storages,), name="bridge_fgo-snapshot",
                                           daemon=True)
         self._faulting.start()
+
+    def _make_and_fault(self) -> None:
+        self._make()
+        if self.tensors:
+            self._unfaulted = False
+            self._fault_in([t for _, t in self.tensors.values()])
+
+    def _ready(self) -> None:
+        """The background thread's work done (made, faulted in): before the snapshot is read or dropped."""
+        if self._faulting is not None:
+            self._faulting.join()
+            self._faulting = None
 
     def _fault_in(self, tensors) -> None:
         t0 = time.perf_counter()
@@ -144,10 +170,8 @@ class Snapshot:
 
     def drop(self) -> None:
         """Let the snapshot go (the end of training, close): a save still writing it holds its own references."""
-        if self._faulting is not None:
-            self._faulting.join()
-            self._faulting = None
-        self.tensors, self.nbytes, self._taken, self._unfaulted = {}, 0, False, False
+        self._ready()
+        self.tensors, self.nbytes, self._taken, self._unfaulted, self._later = {}, 0, False, False, False
 
     # -- each save -----------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -155,6 +179,8 @@ class Snapshot:
         """Around one asynchronous save call: each DistributedOptimizer's sharded_state_dict, when built for
         saving, hands the writer the snapshot (the states copied into it at the first such call) instead of
         views of the pinned buffer. Nothing changes without a snapshot."""
+        self.fault_in()  # (after_load starts what a load left for later; here only if nothing did)
+        self._ready()
         if not self.tensors:
             yield
             return
@@ -192,9 +218,7 @@ class Snapshot:
         if self._taken or not self.tensors:
             return
         self.fault_in()  # (a load's after_load starts it; here only if nothing did)
-        if self._faulting is not None:
-            self._faulting.join()
-            self._faulting = None
+        self._ready()
         t0 = time.perf_counter()
         pieces = []
         for e, snap in self.tensors.values():

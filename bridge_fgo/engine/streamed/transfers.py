@@ -130,7 +130,7 @@ class Transfers:
             if part.fsdp is not None:
                 part.fsdp.retire()
 
-    def materialize(self) -> None:
+    def materialize(self, zeroed: bool = False) -> None:
         """Every planned state the optimizer has not created yet, created by the optimizer's own code
         (contracts.py), one parameter at a time, and taken into its host view: from here on a state
         is never whole on the GPU, and a checkpoint load writes into the host views.
@@ -140,12 +140,13 @@ class Transfers:
         optimizer that has not stepped, through a path that fails loudly without a fix
         (scripts/resume_fix.py); states made here would turn that failure into a resume with the wrong
         step. Its states are made by its first step, inside the window, or by the load (on the host,
-        where its masters are) and taken into their host views at once (readers.py)."""
+        where its masters are) and taken into their host views at once (readers.py). `zeroed`: the views
+        of the states not made yet read as zero (the buffer as the kernel handed it out, prepare())."""
         for part in self.plan.parts:
             if not part.contract.group_step:
                 continue
             inner, b = part.inner, part.bindings
-            with part.contract.made_in(inner, part.view_of()):  # in the host views where the optimizer allows
+            with part.contract.made_in(inner, part.view_of(), zeroed):  # in the host views where it allows
                 self._materialize(part, inner, b)
 
     def _materialize(self, part: Part, inner, b: Bindings) -> None:
