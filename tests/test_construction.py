@@ -5,6 +5,8 @@ The classmethod checks `model_param.type()` for CUDA tensor types; the parameter
 of a subclass that reports the CUDA type name (the only stand-in: no GPU here). Everything else is the
 real classmethod, run once whole and once batch by batch, and the two results compared.
 """
+import re
+
 import pytest
 import torch
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer, Range
@@ -154,6 +156,8 @@ def test_the_masters_land_in_one_block_checked_then_pinned_once(landed, chunk_by
     assert len(storages) == 1 and built.landed == 4 * (40 + 8 + 24 + 16 + 8) and built.landing
     assert all(m.storage_offset() * m.element_size() % construction.ALIGN == 0 for m in masters)
     assert "one host block" in built.describe() and "pinning" in built.describe()
+    # the whole construction's time beside the pinning's (issue 43's setup figure: what else it takes)
+    assert re.search(r"bytes on the GPU, in [\d.]+ s; ", built.describe()) and built.total_s >= built.pin_s
 
 
 def test_a_landing_block_that_does_not_fit_is_refused_by_name_and_each_master_copied_alone(landed, monkeypatch,

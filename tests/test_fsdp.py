@@ -149,12 +149,7 @@ def test_the_head_hooks_the_modules_own_parameters_and_its_prefetch_stays_exact(
         sum(p.float().sum() for p in origs).backward()  # the last backward, through the module's parameters
         assert order == ["fsdp", "head"] * hooks
         assert len(engine.transfers.started) == 2  # the whole window in before gradient finalization
-        engine.reload()
-        try:
-            opt.step_states()
-        finally:
-            engine.settle()
-            engine.synchronize()
+        harness.finish_step(opt, engine)
         assert_same(fsdp.snapshot(ref), fsdp.snapshot(opt))
     assert head.state == "on" and head.prefetched == 2
     engine.close()

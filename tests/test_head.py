@@ -15,6 +15,7 @@ import torch
 from bridge_fgo.engine.firststep import margin
 from bridge_fgo.engine.streamed import head as head_mod
 from bridge_fgo.engine.streamed.head import MARKS, Curve, read_curve
+from support import harness
 from test_streamed import OPTIMIZERS, assert_same, engine_for, make, snapshot, step
 
 MIB = 2**20
@@ -114,12 +115,7 @@ def test_chunks_come_in_during_the_last_backward_within_the_curve_and_stay_exact
             if k >= 3:
                 assert held() + ahead[k - 3] <= limit
         assert started == [0, 0, 0, 1, 2, 4]  # nothing in the earlier backward, then slot by slot
-        engine.reload()
-        try:
-            opt.step_states()
-        finally:
-            engine.settle()
-            engine.synchronize()
+        harness.finish_step(opt, engine)
         assert_same(snapshot(base), snapshot(opt))
     assert engine.head.prefetched == 4 and engine.head.state == "on"
     assert "the last step: 4 chunk(s), room up to" in engine.head.describe()
@@ -237,7 +233,6 @@ def test_with_activation_offloading_the_head_keeps_out_of_backward_and_the_line_
     backward's critical path, over the same link: the engine starts no copy there, and each rank's
     lines say both offloads are active."""
     import bridge_fgo
-    from support import harness
     from test_streamed import BIG, rig_snapshot
 
     cfg = harness.config_container(mxfp8_copy=False)
