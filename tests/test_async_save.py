@@ -21,6 +21,8 @@ inside the save call, as without offload.
 import inspect
 import os
 import sys
+import threading
+import time
 import types
 from unittest import mock
 
@@ -692,7 +694,8 @@ def test_a_snapshot_that_cannot_be_made_is_said_once_and_the_writers_copy_as_bef
     assert "RLIMIT_NOFILE is 16" in said and "ulimit -n" in said
 
 
-def test_beside_a_load_the_snapshot_is_made_and_faulted_in_after_it(train_module, megatron_core_for, tmp_path):
+def test_beside_a_load_the_snapshot_is_made_and_faulted_in_after_it(train_module, megatron_core_for, tmp_path,
+                                                                    monkeypatch):
     """The load's reads fault pages in too, and making the snapshot allocates its pages (/dev/shm): beside a
     load nothing of it is made; a background thread makes it and faults it in once the load returned, and the
     first save waits for that thread."""
@@ -707,9 +710,20 @@ def test_beside_a_load_the_snapshot_is_made_and_faulted_in_after_it(train_module
         during.append((snap.tensors, snap._faulting))
         return 0, 0
 
+    from bridge_fgo.engine.streamed.snapshot import Snapshot
+
+    gate, real_fault_in = threading.Event(), Snapshot._fault_in
+    monkeypatch.setattr(Snapshot, "_fault_in", lambda self, tensors: (gate.wait(10), real_fault_in(self, tensors)))
     site(load, None, (rig.global_state, rig.model, rig.optimizer, None), {})
     snap = engine_of(rig).snapshot
     assert during == [({}, None)] and snap._faulting is not None  # nothing made beside the load; started after it
+    making = snap._faulting
+    while making.is_alive() and not snap.tensors:
+        time.sleep(0.01)  # made, its fault-in held at the gate
+    snap._unfaulted = True  # as if made and not yet faulted in: still no second thread while that one runs
+    snap.fault_in()  # (what a save calls first): a second one's zeros could land after a save's copy
+    assert snap._faulting is making and [t.name for t in threading.enumerate()].count("bridge_fgo-snapshot") == 1
+    gate.set()
     save_site()(view_writer_save, None, (rig.global_state, rig.dist_optimizer, tmp_path / "held.pt"), {})
     assert snap.served and snap._faulting is None  # the save waited for it
     assert snap.kept and all(t.is_shared() for _, t in snap.tensors.values())

@@ -78,6 +78,7 @@ class Snapshot:
             self._later = True
             return
         self._make()
+        self._unfaulted = bool(self.tensors)
         self.fault_in()
 
     def _make(self) -> None:
@@ -105,7 +106,6 @@ class Snapshot:
                  "fresh pages: a longer stall)", rank_prefix(), why)
             return
         self.nbytes = sum(e.nbytes for e, _ in self.tensors.values())
-        self._unfaulted = True
         logger.info("%sasynchronous checkpoint saves: a snapshot of the host states kept for the run, %d tensor(s), "
                     "%s in %s, its pages faulted in by a background thread; each save copies the states into it "
                     "once and hands it to the writer, which neither clones nor moves it", rank_prefix(),
@@ -114,7 +114,9 @@ class Snapshot:
 
     def fault_in(self) -> None:
         """The snapshot's pages faulted in by a background thread, once; made there first where allocate()
-        left it for later."""
+        left it for later. Never a second thread while one runs: its zeros would land on a save's copy."""
+        if self._faulting is not None:
+            return
         if self._later:
             self._later = False
             self._faulting = threading.Thread(target=self._make_and_fault, name="bridge_fgo-snapshot", daemon=True)
@@ -131,7 +133,6 @@ class Snapshot:
     def _make_and_fault(self) -> None:
         self._make()
         if self.tensors:
-            self._unfaulted = False
             self._fault_in([t for _, t in self.tensors.values()])
 
     def _ready(self) -> None:
