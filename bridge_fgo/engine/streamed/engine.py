@@ -72,6 +72,18 @@ class _Clock:
         self._last = now
 
 
+class _Untimed:
+    """A clock that times nothing: every reload after the first streamed step's (on the step's path)."""
+
+    laps = ()
+
+    def lap(self, what: str) -> None:
+        pass
+
+
+_UNTIMED = _Untimed()
+
+
 class StreamedEngine:
     def __init__(self, dist_optimizers, chunk_bytes: int, budget_bytes: Optional[int] = None, auto: bool = False,
                  norms_in_update: bool = False):
@@ -232,7 +244,7 @@ class StreamedEngine:
             self.transfers.adopt()
             self.release()
         self.readers.drop_guards()  # the update's own copies are ordered after the tail on the GPU
-        clock = _Clock()  # the first step's own work, said after it
+        clock = _Clock() if self.steps_streamed == 0 else _UNTIMED  # the first step's own work, said after it
         self.head.end_step()
         self.probe.at_reload(self.device)
         clock.lap("reading backward's memory curve")

@@ -217,9 +217,7 @@ class Snapshot:
         """The host states copied into the snapshot (once per save): after the fault-in, from several threads.
         The last update's copies were waited for before (the save's readers' guards)."""
         if self._taken or not self.tensors:
-            return
-        self.fault_in()  # (a load's after_load starts it; here only if nothing did)
-        self._ready()
+            return  # (made and faulted in: saving() waited for the background thread before any save)
         t0 = time.perf_counter()
         pieces = []
         for e, snap in self.tensors.values():
