@@ -737,24 +737,22 @@ def test_a_deferred_registration_runs_in_its_own_thread_until_waited_for(fake_cu
                                                                          record_touch):
     gate = threading.Event()
     real = fake_cuda.cudaHostRegister
-    affinity = []
 
     def slow_register(ptr, n, flags):
-        affinity.append(frozenset(os.sched_getaffinity(0)))
         gate.wait(10)  # held until the caller has gone on
         return real(ptr, n, flags)
     monkeypatch.setattr(fake_cuda, "cudaHostRegister", slow_register)
-    bytes0, before = hostmem.pinned_bytes(), os.sched_getaffinity(0)
+    bytes0 = hostmem.pinned_bytes()
     buf = hostmem.pin(3 * 2**20, root=str(tmp_path), defer=True)
     assert buf.pending and fake_cuda.calls == []  # returned before the registration ran
-    # no first touch beside the load (its writes would race with the load's): the registration faults the
-    # pages in, from its thread bound to the GPU's node; the pages read as zero until written
-    assert record_touch == [] and buf.zeroed and int(buf.tensor.count_nonzero()) == 0
-    assert buf.numa_node == 1 and "first touched by the deferred registration's thread (bound" in buf.placement
+    # the pages faulted in before pin() returned, from threads bound to the GPU's node (never beside the load's
+    # writes into them); they read as zero until written
+    assert record_touch and buf.zeroed and int(buf.tensor.count_nonzero()) == 0
+    assert {seen[1] for seen in record_touch} == {frozenset({one_cpu()})} and sum(seen[3] for seen in record_touch) == 3 * 2**20
+    assert buf.numa_node == 1 and "first touch from" in buf.placement
     buf.tensor[:5] = 7  # a load writes into the pages meanwhile
     gate.set()
     buf.wait()
-    assert affinity == [frozenset({one_cpu()})] and os.sched_getaffinity(0) == before  # only that thread bound
     assert not buf.pending and buf.registered and buf.method == "cudaHostRegister" and buf.register_s >= 0
     kind, ptr, n, _, tid, dev = fake_cuda.calls[0]
     assert (kind, ptr, n, dev) == ("register", buf.tensor.data_ptr(), 3 * 2**20, 2) and tid != threading.get_ident()
@@ -782,3 +780,26 @@ def test_a_buffer_freed_before_its_deferred_registration_ends_is_unregistered_af
     buf = hostmem.pin(4096, root=str(tmp_path), defer=True)
     buf.free()  # joins the registration first
     assert [c[0] for c in fake_cuda.calls] == ["register", "unregister"] and buf.freed
+
+
+# -- host-memory work spread over a few threads ----------------------------------------------------------
+
+def test_spread_copies_and_touches_piece_by_piece_from_several_threads(monkeypatch):
+    from bridge_fgo.hostmem import spread
+
+    monkeypatch.setattr(spread, "PIECE", 4096)  # 40 KB and 4 KB tensors: eleven pieces
+    seen = []
+    real_run = spread.run
+    monkeypatch.setattr(spread, "run", lambda fn, items, name, workers=spread.THREADS: seen.append(len(items))
+                        or real_run(fn, items, name, workers))
+    src = [torch.arange(10000, dtype=torch.float32), torch.arange(1024, dtype=torch.int32)]
+    dst = [torch.empty_like(t) for t in src]
+    ran = spread.copy(zip(dst, src))
+    assert all(torch.equal(a, b) for a, b in zip(dst, src)) and seen == [11]
+    assert ran == min(spread.THREADS, os.cpu_count() or 1, 11)
+    spread.touch([d.view(torch.uint8) for d in dst])
+    assert all(int(d.count_nonzero()) == 0 for d in dst)
+    with pytest.raises(ValueError, match="same byte size"):  # refused before anything is copied
+        spread.copy([(torch.empty(3), torch.ones(4))])
+    with pytest.raises(ZeroDivisionError):  # an error in a thread is raised in the caller, after all stopped
+        spread.run(lambda x: 1 // x, [(1,), (0,), (2,)], "test")

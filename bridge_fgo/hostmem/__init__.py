@@ -10,6 +10,7 @@
   falls back to torch.empty(pin_memory=True) with one WARNING when registration is refused. The
   PinnedHost it returns is released exactly once, by free() or, as a backstop, when collected;
   `pinned_bytes()` / `live_buffers()` count what is still held.
+- `spread` (spread.py): copies between host tensors and first touches, from a few threads.
 
 Importing this package does not import torch. Every path under /proc and /sys is read below `root`
 (default "/") so tests can fake the trees.
@@ -19,6 +20,7 @@ from .check import FIXES, RESERVE_FRACTION, RESERVE_MIN_BYTES, SHM_FIXES, HostFi
 from .common import GiB, fmt_bytes
 from .numa import (NumaTarget, first_touch, format_cpulist, gpu_pci_address, node_cpus, node_target,
                    numa_nodes, numa_target, parse_cpulist)
+from . import spread
 from .pinning import PinnedHost, live_buffers, pin, pinned_bytes
 from .ranks import LocalRanks, local_ranks
 
@@ -29,5 +31,5 @@ __all__ = [
     "HostFit", "check_fits", "reserve_for", "FIXES", "SHM_FIXES", "RESERVE_MIN_BYTES", "RESERVE_FRACTION",
     "NumaTarget", "parse_cpulist", "format_cpulist", "numa_nodes", "node_cpus", "node_target", "numa_target",
     "gpu_pci_address", "first_touch",
-    "PinnedHost", "pin", "pinned_bytes", "live_buffers",
+    "PinnedHost", "pin", "pinned_bytes", "live_buffers", "spread",
 ]

@@ -235,21 +235,14 @@ class PinnedHost:
         return f"PinnedHost({self.nbytes} bytes, {self.method}{', freed' if self.freed else ''})"
 
 
-def _start_register(held: Dict[str, object], tensor, device: int, nbytes: int, cpus=None) -> None:
-    """cudaHostRegister in a thread of its own (pin(defer=True)), bound to `cpus` where given (the pages it
-    faults in land on their node); wait() or the release joins it."""
-    import os
-
+def _start_register(held: Dict[str, object], tensor, device: int, nbytes: int) -> None:
+    """cudaHostRegister of pages already faulted in, in a thread of its own (pin(defer=True)); wait() or the
+    release joins it."""
     import torch
 
     def register():
         t0 = time.perf_counter()
         try:
-            if cpus:
-                try:
-                    os.sched_setaffinity(0, cpus)  # this thread only
-                except OSError:
-                    pass  # (a cpuset without them: the pages go where the default policy puts them)
             torch.cuda.set_device(device)
             held["register_result"] = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0)
         except BaseException as exc:  # said by _settle, in the caller's thread
@@ -342,9 +335,8 @@ def pin(nbytes: int, *, device_index: Optional[int] = None, numa: bool = True,
     pages are freed and pin_memory=True is tried; if that fails too, BridgeFGOConfigError. Without
     CUDA, or for 0 bytes: an unpinned, untouched tensor (registered False) and no message; it counts
     in pinned_bytes() like the others. `target` replaces the lookup of the GPU's node (a benchmark
-    placing the buffer on another node). `defer`: only the pages are mapped here; cudaHostRegister runs
-    in a thread of its own, bound to the node's CPUs, and faults them in (a checkpoint load reads from
-    disk meanwhile, writing into the pages: a first touch here would race with it);
+    placing the buffer on another node). `defer`: the pages are faulted in here and cudaHostRegister runs
+    in a thread of its own (a checkpoint load reads from disk meanwhile, writing into the pages);
     PinnedHost.wait() joins it before any copy to or from the GPU, and a refusal there leaves the buffer
     pageable with one WARNING instead of the pin_memory=True fallback. The buffer reads as zero when
     handed out (`zeroed`), but for the pin_memory=True fallback's."""
@@ -363,17 +355,16 @@ def pin(nbytes: int, *, device_index: Optional[int] = None, numa: bool = True,
         target = (_numa.numa_target(device, root=root) if numa
                   else _numa.NumaTarget(None, (), "NUMA placement not requested: plain first touch"))
     tensor = _zero_pages(nbytes)
+    node, placement = _numa.first_touch(tensor, target)  # registering then pins pages already present
     if defer:
-        # no first touch here: its writes would race with the load's into the same pages. The registration
-        # faults the pages in from its own thread (bound to the node's CPUs), keeping what was written first
-        buf = PinnedHost(tensor, nbytes, "cudaHostRegister", device=device, numa_node=target.node,
-                         placement=(f"{target.reason}: first touched by the deferred registration's thread"
-                                    + (" (bound to those CPUs)" if target.node is not None else "")),
+        # the pages are faulted in here, from several threads, before the load writes into them (a touch beside
+        # its writes would race with them). Left to the registration's thread, 1.9 GB took it 0.87-0.93 s, and
+        # the masters' copy on the loading thread took as long, faulting the same pages (2xH200, 2026-11-28)
+        buf = PinnedHost(tensor, nbytes, "cudaHostRegister", device=device, numa_node=node, placement=placement,
                          seconds=time.perf_counter() - t0, zeroed=True)
-        _start_register(buf._held, tensor, device, nbytes, target.cpus if target.node is not None else None)
+        _start_register(buf._held, tensor, device, nbytes)
         logger.debug("%s%s; registration deferred", rank_prefix(), buf.describe())
         return buf
-    node, placement = _numa.first_touch(tensor, target)  # registering then pins pages already present
     err = _register(tensor, device, nbytes)
     if _code(err) == 0:
         buf = PinnedHost(tensor, nbytes, "cudaHostRegister", device=device, numa_node=node,

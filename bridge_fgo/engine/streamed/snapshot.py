@@ -28,21 +28,18 @@ by the host-memory check (snapshot_per_rank).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import os
 import threading
 import time
 from typing import Dict, List, Optional, Tuple
 
-from ...hostmem import numa
+from ...hostmem import spread
 from ...hostmem.common import fmt_bytes
 from ...log import logger, once, rank_prefix
 from .plan import Plan
 
 SHM, MEMORY = "shm", "memory"
-PIECE = 64 * 2**20    # a copy's unit across threads
-THREADS = 8           # memcpy stops scaling beyond a few threads per rank
 FD_MARGIN = 256       # file descriptors left to everything else when each shared storage keeps one open
 
 
@@ -143,8 +140,7 @@ class Snapshot:
 
     def _fault_in(self, tensors) -> None:
         t0 = time.perf_counter()
-        for t in tensors:  # ctypes.memset drops the GIL: training goes on meanwhile
-            numa._touch_range(t.data_ptr(), t.numel() * t.element_size())
+        spread.touch(tensors, "snapshot-touch")  # a few threads, done sooner; training goes on meanwhile
         self.fault_s = time.perf_counter() - t0
 
     @staticmethod
@@ -219,28 +215,7 @@ class Snapshot:
         if self._taken or not self.tensors:
             return  # (made and faulted in: saving() waited for the background thread before any save)
         t0 = time.perf_counter()
-        pieces = []
-        for e, snap in self.tensors.values():
-            dst, src = snap.data_ptr(), e.host.data_ptr()
-            pieces += [(dst + a, src + a, min(PIECE, e.nbytes - a)) for a in range(0, e.nbytes, PIECE)]
-        workers = max(1, min(THREADS, os.cpu_count() or 1, len(pieces)))
-        errors: List[BaseException] = []
-
-        def work(mine):
-            try:  # ctypes.memmove drops the GIL and uses no thread pool of its own (torch's copy_ would)
-                for dst, src, n in mine:
-                    ctypes.memmove(dst, src, n)
-            except BaseException as exc:  # raised in the caller
-                errors.append(exc)
-
-        threads = [threading.Thread(target=work, args=(pieces[i::workers],), name=f"bridge_fgo-snapshot-{i}")
-                   for i in range(workers)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
+        workers = spread.copy(((snap, e.host) for e, snap in self.tensors.values()), "snapshot")
         self.copy_s.append(time.perf_counter() - t0)
         self._taken = True
         logger.debug("%ssnapshot: %s copied in %.3f s from %d thread(s)", rank_prefix(), fmt_bytes(self.nbytes),

@@ -88,17 +88,18 @@ class Transfers:
         self.window = None
 
     # -- states into their host views -------------------------------------------------------------
-    def take(self, part: Part, b: Bindings, e: Entry, t, free: bool = True) -> None:
-        """Copy `t` (what `e` is bound to) into e's host view now and bind the view; free t's memory if
-        it is on the compute device and `free` (not a loaded tensor: the load's or its caller's own).
-        A master keeps a storage-less tensor on the compute device as its shell (reload binds it)."""
+    def take(self, part: Part, b: Bindings, e: Entry, t, free: bool = True, copied: bool = False) -> None:
+        """Copy `t` (what `e` is bound to) into e's host view now (`copied`: take_all did) and bind the view;
+        free t's memory if it is on the compute device and `free` (not a loaded tensor: the load's or its
+        caller's own). A master keeps a storage-less tensor on the compute device as its shell (reload binds it)."""
         # never freed here: a view of Megatron-FSDP's flat buffer, or a master made on the host at construction (a
         # view of its landing block, which goes once the last master is taken from it)
         stays = part.flat_master(e) or (e.kind == MASTER and construction.is_staged(e.param))
         self.check_takeover(part, e, t, frees=free and not stays)
         if t.device.type != "cpu":
             self.ready()
-        e.host.copy_(t.detach())
+        if not copied:
+            e.host.copy_(t.detach())
         if e.kind == MASTER:
             self.plan.writes += 1
         old = t.data  # a master is rebound in place (`master.data = view`): keep what it was bound to
@@ -120,8 +121,16 @@ class Transfers:
         return shell
 
     def take_all(self, free: bool = True) -> None:
-        for part, b, e, t in list(self.plan.away()):
-            self.take(part, b, e, t, free)
+        away = list(self.plan.away())
+        # what is already on the host (masters made there at construction) copied from several threads at once:
+        # torch's copy_ runs on one thread under torchrun, 0.15-0.17 s of a load for 640 MB (2xH200, 2026-11-28)
+        bulk = [(part, e, t) for part, _, e, t in away if _host_to_host(e, t)]
+        for part, e, t in bulk:
+            self.check_takeover(part, e, t, frees=False)  # (before anything is copied)
+        hostmem.spread.copy(((e.host, t) for _, e, t in bulk), "take")
+        copied = {id(e) for _, e, _ in bulk}
+        for part, b, e, t in away:
+            self.take(part, b, e, t, free, copied=id(e) in copied)
         self.retire_flats()
 
     def retire_flats(self) -> None:
@@ -323,6 +332,13 @@ class Transfers:
             with self.host_wait:
                 self.copies.host_wait_all()
         self.tail = None
+
+
+def _host_to_host(e: Entry, t) -> bool:
+    """t can be copied into e's host view as bytes: both contiguous host tensors of e's dtype and shape."""
+    return (t.device.type == "cpu" and e.host is not None and e.host.device.type == "cpu" and t.dtype == e.dtype
+            and tuple(t.shape) == e.shape and t.is_contiguous() and e.host.is_contiguous()
+            and t.untyped_storage().nbytes() > 0)
 
 
 def _bind_prior(pair) -> None:
