@@ -96,7 +96,7 @@ def ratio_line(name, base, ours, limit=TARGET):
 
 
 KEYS = (("setup_s", "model-and-optimizer setup"), ("setup_pin_s", "  of which pinning (landing block)"),
-        ("load_s", "load"), ("load_pin_s", "  of which pinning beside the load (waited)"),
+        ("load_s", "load"), ("load_pin_s", "  of which pinning (first touch, then any wait for cudaHostRegister)"),
         ("first_after_load_s", "first iteration after the load"), ("steady_s", "steady step"),
         ("async_first_s", "async save stall, first"),
         ("async_next_s", "async save stall, the next (finishes the first)"),

@@ -694,11 +694,24 @@ def test_a_snapshot_that_cannot_be_made_is_said_once_and_the_writers_copy_as_bef
     assert "RLIMIT_NOFILE is 16" in said and "ulimit -n" in said
 
 
-def test_beside_a_load_the_snapshot_is_made_and_faulted_in_after_it(train_module, megatron_core_for, tmp_path,
-                                                                    monkeypatch):
-    """The load's reads fault pages in too, and making the snapshot allocates its pages (/dev/shm): beside a
-    load nothing of it is made; a background thread makes it and faults it in once the load returned, and the
-    first save waits for that thread."""
+def test_after_a_load_the_first_save_makes_the_snapshot_and_hands_it_over(train_module, megatron_core_for, tmp_path):
+    setup_kind(megatron_core_for, "te")
+    bridge_fgo.patch(offload="builtin", chunk_mb=1)
+    rig = rig_for("te", tmp_path, ViewWriterQueue())
+    site = patcher._current.callsites.site(targets.target("load_checkpoint"))
+    site(lambda *a: (0, 0), None, (rig.global_state, rig.model, rig.optimizer, None), {})
+    snap = engine_of(rig).snapshot
+    assert snap.tensors == {} and snap._faulting is None  # nothing made by the load, nor after it
+    save_site()(view_writer_save, None, (rig.global_state, rig.dist_optimizer, tmp_path / "first.pt"), {})
+    assert snap.served and snap.kept and snap._faulting is None and snap.copy_s
+
+
+def test_beside_a_load_the_snapshot_is_made_at_the_first_save(train_module, megatron_core_for, tmp_path,
+                                                              monkeypatch):
+    """Making the snapshot holds the GIL while torch allocates its shared pages, which would stall the load's
+    end and the first iterations: beside a load nothing of it is made, nor after it; the first save makes it
+    and faults it in, and waits for that. No second fault-in thread while one runs (its zeros could land on
+    a save's copy)."""
     setup_kind(megatron_core_for, "te")
     bridge_fgo.patch(offload="builtin", chunk_mb=1)
     rig = rig_for("te", tmp_path, ViewWriterQueue())
@@ -712,16 +725,17 @@ def test_beside_a_load_the_snapshot_is_made_and_faulted_in_after_it(train_module
 
     from bridge_fgo.engine.streamed.snapshot import Snapshot
 
-    gate, real_fault_in = threading.Event(), Snapshot._fault_in
-    monkeypatch.setattr(Snapshot, "_fault_in", lambda self, tensors: (gate.wait(10), real_fault_in(self, tensors)))
     site(load, None, (rig.global_state, rig.model, rig.optimizer, None), {})
     snap = engine_of(rig).snapshot
-    assert during == [({}, None)] and snap._faulting is not None  # nothing made beside the load; started after it
+    assert during == [({}, None)] and snap.tensors == {} and snap._faulting is None and snap._later
+    gate, real_fault_in = threading.Event(), Snapshot._fault_in
+    monkeypatch.setattr(Snapshot, "_fault_in", lambda self, tensors: (gate.wait(10), real_fault_in(self, tensors)))
+    snap.fault_in()  # what the first save calls first: made by a thread, its fault-in held at the gate
     making = snap._faulting
     while making.is_alive() and not snap.tensors:
-        time.sleep(0.01)  # made, its fault-in held at the gate
+        time.sleep(0.01)
     snap._unfaulted = True  # as if made and not yet faulted in: still no second thread while that one runs
-    snap.fault_in()  # (what a save calls first): a second one's zeros could land after a save's copy
+    snap.fault_in()
     assert snap._faulting is making and [t.name for t in threading.enumerate()].count("bridge_fgo-snapshot") == 1
     gate.set()
     save_site()(view_writer_save, None, (rig.global_state, rig.dist_optimizer, tmp_path / "held.pt"), {})

@@ -11,6 +11,7 @@ say when TE or apex is installed.
 """
 import copy
 import os
+import re
 import sys
 
 import pytest
@@ -186,7 +187,7 @@ def test_a_model_only_load_leaves_no_stale_state(case, after):
 
 
 @pytest.mark.parametrize("load_optim", [True, False])
-def test_the_load_call_site_prepares_the_engine_before_bridges_load(train_module, load_optim):
+def test_the_load_call_site_prepares_the_engine_before_bridges_load(train_module, load_optim, caplog_fgo):
     """Bridge's load_checkpoint as the patch wraps it: the session is decided and its engine prepared
     before the load runs (states in their host views, or, for a load of the model only, made after
     it), and what the load bound elsewhere is taken back into the host views when it returns."""
@@ -216,6 +217,11 @@ def test_the_load_call_site_prepares_the_engine_before_bridges_load(train_module
     engine = session.adapter.engine
     assert (seen["states"] > 0) == load_optim  # a model-only load: made after it, from the loaded weights
     assert engine.on_host() and all(len(inner.state[p]) for g in inner.param_groups for p in g["params"])
+    # where the load's time went, in one line per rank: before it, Bridge's own, and each part after it
+    (said,) = [r.getMessage() for r in caplog_fgo.records if "the checkpoint load took" in r.getMessage()]
+    assert re.search(r"took [\d.]+ s here: bridge_fgo's preparation before it [\d.]+ s, Megatron-Bridge's load "
+                     r"[\d.]+ s, bridge_fgo's work after it [\d.]+ s \(waiting for the registration [\d.]+ s, "
+                     r"taking what the load bound elsewhere [\d.]+ s\)$", said), said
     bridge_fgo.unpatch()
 
 

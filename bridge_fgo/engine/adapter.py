@@ -103,9 +103,8 @@ class BuiltinAdapter:
         if self.chunk_mb and not loads_optimizer:
             self.engine.states_after_load = True
 
-    def after_load(self) -> None:
-        if self.chunk_mb:
-            self.engine.after_load()
+    def after_load(self) -> list:
+        return self.engine.after_load() if self.chunk_mb else []
 
     # -- what reads the masters after the step (the one window has them on the GPU then) ----------------
     def defer_clip_qk(self, model, clip_qk) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from typing import Iterable
+from typing import Iterable, Optional
 
 from ..log import logger, rank_prefix
 from . import construction, tensors
@@ -32,10 +32,14 @@ def _staged(opt) -> list:
     return [m for m in tensors.masters(opt) if construction.is_staged(m)]
 
 
-def await_session(opt) -> bool:
-    """Guard `opt` when masters of it were made on the host; True if it was."""
+def await_session(opt, built_s: Optional[float] = None) -> bool:
+    """Guard `opt` when masters of it were made on the host; True if it was. `built_s`: its whole construction's
+    time, said beside the masters' own line (issue 43: what setup takes besides the masters)."""
     if not _staged(opt):
         return False
+    if built_s is not None:
+        logger.info("%sMegatron-Core's %s built in %.2f s, its fp32 masters' construction among it", rank_prefix(),
+                    type(opt).__name__, built_s)
     ref = weakref.ref(opt)  # the optimizer holds its guards: they hold it weakly
     for name in GUARDED:
         if callable(getattr(type(opt), name, None)) and name not in vars(opt):

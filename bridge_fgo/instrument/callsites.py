@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import time
 from typing import Dict, Optional, Tuple
 
 import wrapt
@@ -40,6 +41,33 @@ def checkpoint_io(sessions):
         for session in sessions:
             stack.enter_context(session.adapter.checkpoint_io())
         yield
+
+
+def _load(session, wrapped, args, kwargs):
+    """A checkpoint load under `session`: prepared before it, what it bound elsewhere taken after it, and where
+    its time went said."""
+    times = [time.perf_counter()]
+    session.prepare()
+    times.append(time.perf_counter())
+    try:
+        with checkpoint_io([session]):
+            result = wrapped(*args, **kwargs)
+    finally:
+        times.append(time.perf_counter())
+        laps = session.adapter.after_load()
+        peaks.note("checkpoint load")
+    _say_load(times + [time.perf_counter()], laps)
+    return result
+
+
+def _say_load(times, laps) -> None:
+    """Where a checkpoint load's time went on this rank, `times` its four moments (issue 43: the load with
+    offload against without)."""
+    start, prepared, loaded, end = times
+    parts = f" ({', '.join(f'{what} {s:.2f} s' for what, s in laps)})" if laps else ""
+    logger.info("%sthe checkpoint load took %.2f s here: bridge_fgo's preparation before it %.2f s, Megatron-Bridge's "
+                "load %.2f s, bridge_fgo's work after it %.2f s%s", rank_prefix(), end - start, prepared - start,
+                loaded - prepared, end - loaded, parts)
 
 
 class ReloadingFinalize(wrapt.FunctionWrapper):
@@ -277,11 +305,12 @@ class CallSites:
     def await_session(self, name, wrapped, instance, args, kwargs):
         """A DistributedOptimizer built: its masters made on the host (build_masters) wait for a session, guarded
         (engine/adoption.py), as whole masters do above."""
+        t0 = time.perf_counter()
         result = wrapped(*args, **kwargs)
         if self._masters_on_host:
             from ..engine import adoption
 
-            adoption.await_session(instance)
+            adoption.await_session(instance, built_s=time.perf_counter() - t0)
         return result
 
     def load_checkpoint(self, name, wrapped, instance, args, kwargs):
@@ -291,13 +320,7 @@ class CallSites:
         session = self._session(name, args, kwargs) if self.enabled else None
         if session is None:
             return wrapped(*args, **kwargs)
-        session.prepare()
-        try:
-            with checkpoint_io([session]):
-                return wrapped(*args, **kwargs)
-        finally:
-            session.adapter.after_load()
-            peaks.note("checkpoint load")
+        return _load(session, wrapped, args, kwargs)
 
     def save_checkpoint(self, name, wrapped, instance, args, kwargs):
         """A checkpoint save: refused while the streamed step's states are torn (the model's weights too,

@@ -124,21 +124,10 @@ class StreamedEngine:
     budget_note = property(lambda self: self.fitting.budget_note)
     window_note = property(lambda self: self.fitting.window_note)
 
-    @property
-    def probe(self):
-        return self.fitting.probe
-
-    @probe.setter
-    def probe(self, probe) -> None:  # what a test gives in place of a GPU's figures
-        self.fitting.probe = probe
-
-    @property
-    def states_after_load(self) -> bool:
-        return self.readers.states_after_load
-
-    @states_after_load.setter
-    def states_after_load(self, value: bool) -> None:
-        self.readers.states_after_load = value
+    # (a test gives a probe in place of a GPU's figures)
+    probe = property(lambda self: self.fitting.probe, lambda self, probe: setattr(self.fitting, "probe", probe))
+    states_after_load = property(lambda self: self.readers.states_after_load,
+                                 lambda self, value: setattr(self.readers, "states_after_load", value))
 
     @property
     def pinned_bytes(self) -> int:
@@ -187,7 +176,7 @@ class StreamedEngine:
         self.readers.hook_loads()
         self.head.attach()
         self._note_setup_peak()
-        self.snapshot.allocate(fault=not self.defer_pinning)  # beside a load: made and faulted in after it
+        self.snapshot.allocate(fault=not self.defer_pinning)  # beside a load: made at the first save
         clock.lap("the snapshot")
         self.prepare_laps = clock.laps
         if t.copies.device_copies:
@@ -202,14 +191,20 @@ class StreamedEngine:
 
             self.setup_peak = torch.cuda.max_memory_allocated(self.device)
 
-    def after_load(self) -> None:
+    def after_load(self) -> list:
+        """What follows a checkpoint load (inside its time): (what, seconds) of each part, for its per-rank line.
+        The snapshot a load left for later is made at the first save (snapshot.py: never beside the load's end)."""
+        clock = _Clock()
         if self.transfers.buffer is not None:
             self.transfers.ready()
-            self.snapshot.fault_in()
+            clock.lap("waiting for the registration")
             if self._warm_pending:
                 self._warm_pending = False
                 self.transfers.warm()
+                clock.lap("the warm pass")
             self.readers.after_load()
+            clock.lap("taking what the load bound elsewhere")
+        return clock.laps
 
     # -- the call sites ---------------------------------------------------------------------------
     def offload(self) -> int:

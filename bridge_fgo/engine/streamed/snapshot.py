@@ -12,8 +12,8 @@ With it (read in nvidia-resiliency-ext 0.6.0 and Megatron-Core 0.19.2):
   by handle (torch's reductions move a storage into shared memory only when it is not there yet);
 - the persistent worker drops what a request handed it once the request is written (`del item`,
   gc.collect(); only GPU tensors are cached there), so keeping the snapshot holds no second copy;
-- so a save copies the host states once, into pages faulted in long before (a thread started at prepare(),
-  or after a checkpoint load, which it is made after too), at memcpy speed, from several threads.
+- so a save copies the host states once, into pages faulted in long before (a thread started at prepare();
+  after a checkpoint load, made and faulted in at the first save), at memcpy speed, from several threads.
 
 One snapshot, reused: the save_checkpoint call site finishes a pending asynchronous save before the next
 starts (instrument/saves.py, finish_pending), so no writer still reads the snapshot when the next save
@@ -54,7 +54,7 @@ class Snapshot:
         self.copy_s: List[float] = []  # each save's copy into the snapshot
         self.served = 0       # tensors handed to the writer from the snapshot, last save
         self._unfaulted = False  # allocated, its fault-in not started yet
-        self._later = False   # beside a load: made and faulted in by the background thread after it
+        self._later = False   # beside a load: made and faulted in at the first save
         self._taken = False   # copied for the save in progress
 
     @property
@@ -65,10 +65,12 @@ class Snapshot:
     # -- made once ---------------------------------------------------------------------------------
     def allocate(self, fault: bool = True) -> None:
         """One tensor per streamed entry (route shm: its own shared storage), faulted in by a background
-        thread; nothing when no route is set. Not `fault` (beside a checkpoint load, whose reads fault pages
-        in too): nothing now, the snapshot is made and faulted in by that thread once the load returned
-        (fault_in()), off the load's time. A snapshot that cannot be made is said once, and the writers' own
-        copies serve the saves as before."""
+        thread; nothing when no route is set. Not `fault` (beside a checkpoint load): nothing now, the snapshot
+        is made and faulted in at the first save (saving()). Not by a thread after the load: making it holds
+        the GIL throughout (torch's `_new_shared` allocates the pages: 0.19 s a GiB with the main thread's Python
+        stalled up to 0.1 s at a time, 2-core host, 2026-11-28), which the load's end and the first iterations
+        would wait on. A snapshot that cannot be made is said once, and the writers' own copies serve the saves
+        as before."""
         if self.route is None or self.tensors or self._later:
             return
         if not fault:
@@ -176,7 +178,7 @@ class Snapshot:
         """Around one asynchronous save call: each DistributedOptimizer's sharded_state_dict, when built for
         saving, hands the writer the snapshot (the states copied into it at the first such call) instead of
         views of the pinned buffer. Nothing changes without a snapshot."""
-        self.fault_in()  # (after_load starts what a load left for later; here only if nothing did)
+        self.fault_in()  # (what a load left for later is made here, at the first save)
         self._ready()
         if not self.tensors:
             yield

@@ -89,9 +89,9 @@ class Transfers:
 
     # -- states into their host views -------------------------------------------------------------
     def take(self, part: Part, b: Bindings, e: Entry, t, free: bool = True, copied: bool = False) -> None:
-        """Copy `t` (what `e` is bound to) into e's host view now (`copied`: take_all did) and bind the view;
-        free t's memory if it is on the compute device and `free` (not a loaded tensor: the load's or its
-        caller's own). A master keeps a storage-less tensor on the compute device as its shell (reload binds it)."""
+        """Copy `t` (what `e` is bound to) into e's host view now (unless `copied`) and bind the view; free t's
+        memory if it is on the compute device and `free` (not a loaded tensor: the load's or its caller's own).
+        A master keeps a storage-less tensor on the compute device as its shell (reload binds it)."""
         # never freed here: a view of Megatron-FSDP's flat buffer, or a master made on the host at construction (a
         # view of its landing block, which goes once the last master is taken from it)
         stays = part.flat_master(e) or (e.kind == MASTER and construction.is_staged(e.param))
@@ -122,13 +122,7 @@ class Transfers:
 
     def take_all(self, free: bool = True) -> None:
         away = list(self.plan.away())
-        # what is already on the host (masters made there at construction) copied from several threads at once:
-        # torch's copy_ runs on one thread under torchrun, 0.15-0.17 s of a load for 640 MB (2xH200, 2026-11-28)
-        bulk = [(part, e, t) for part, _, e, t in away if _host_to_host(e, t)]
-        for part, e, t in bulk:
-            self.check_takeover(part, e, t, frees=False)  # (before anything is copied)
-        hostmem.spread.copy(((e.host, t) for _, e, t in bulk), "take")
-        copied = {id(e) for _, e, _ in bulk}
+        copied = _copy_host_ones(self, away)
         for part, b, e, t in away:
             self.take(part, b, e, t, free, copied=id(e) in copied)
         self.retire_flats()
@@ -178,18 +172,8 @@ class Transfers:
     def check_takeover(self, part: Part, e: Entry, t, frees: bool = True) -> None:
         """A tensor unlike the plan is refused before anything is copied or freed; one whose storage
         would be freed (`frees`: taken over on the compute device) must own all of it."""
-        if tuple(t.shape) != e.shape:
-            why = f"has shape {tuple(t.shape)}, not {e.shape}"
-        elif t.dtype != e.dtype:
-            why = f"is {t.dtype}, not {e.dtype}"
-        elif t.device != self.device and t.device.type != "cpu":
-            why = f"is on {t.device}, not {self.device} or the host"
-        elif not t.untyped_storage().nbytes():
-            why = "has no storage (it was freed): there is nothing to copy"
-        elif frees and t.device == self.device and not owns_storage(t):
-            why = ("does not own its storage (a view of a larger tensor): freeing it would free memory that "
-                   "other tensors use")
-        else:
+        why = _unlike(e, t, self.device, frees)
+        if why is None:
             return
         raise BridgeFGOError(
             f"{rank_prefix()}bridge_fgo cannot take over the {e.name} of a parameter of shape "
@@ -332,6 +316,33 @@ class Transfers:
             with self.host_wait:
                 self.copies.host_wait_all()
         self.tail = None
+
+
+def _unlike(e: Entry, t, device, frees: bool):
+    """Why `t` cannot be taken into e's host view (None: it can)."""
+    if tuple(t.shape) != e.shape:
+        return f"has shape {tuple(t.shape)}, not {e.shape}"
+    if t.dtype != e.dtype:
+        return f"is {t.dtype}, not {e.dtype}"
+    if t.device != device and t.device.type != "cpu":
+        return f"is on {t.device}, not {device} or the host"
+    if not t.untyped_storage().nbytes():
+        return "has no storage (it was freed): there is nothing to copy"
+    if frees and t.device == device and not owns_storage(t):
+        return ("does not own its storage (a view of a larger tensor): freeing it would free memory that other "
+                "tensors use")
+    return None
+
+
+def _copy_host_ones(transfers: Transfers, away) -> set:
+    """What is already on the host (masters made there at construction) copied into its host views from several
+    threads at once, each checked first; their entries' ids. torch's copy_ runs on one thread under torchrun:
+    0.15-0.17 s of a load for 640 MB (2xH200, 2026-11-28)."""
+    bulk = [(part, e, t) for part, _, e, t in away if _host_to_host(e, t)]
+    for part, e, t in bulk:
+        transfers.check_takeover(part, e, t, frees=False)  # (before anything is copied)
+    hostmem.spread.copy(((e.host, t) for _, e, t in bulk), "take")
+    return {id(e) for _, e, _ in bulk}
 
 
 def _host_to_host(e: Entry, t) -> bool:

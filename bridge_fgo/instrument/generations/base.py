@@ -50,8 +50,10 @@ class Adapter:
         """A checkpoint load is about to run, before prepare(); `loads_optimizer`: it loads optimizer
         state (False: the model only, e.g. finetuning)."""
 
-    def after_load(self) -> None:
-        """A checkpoint load has run (prepare() ran before it): states it replaced go where they live."""
+    def after_load(self) -> list:
+        """A checkpoint load has run (prepare() ran before it): states it replaced go where they live. Returns
+        (what, seconds) of what this took, for the load's per-rank line (none here)."""
+        return []
 
     def defer_clip_qk(self, model, clip_qk) -> None:
         """Gradient finalization is over (every rank reaches it in the same order) and Bridge's train_step
