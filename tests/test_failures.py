@@ -480,6 +480,23 @@ def test_offload_refuses_to_take_over_a_tensor_unlike_the_plan_before_anything_i
     assert_whole_on_host_but(engine, p, "exp_avg_sq")
 
 
+def test_states_a_load_bound_elsewhere_are_each_checked_before_any_is_copied_into_the_buffer():
+    """take_all copies what is already on the host in one threaded copy: a tensor unlike the plan among them is
+    refused before that copy, so no host view was written and nothing was rebound."""
+    opt = make()
+    engine = engine_for(opt, 1)
+    step(opt, engine)
+    a, b = params(opt)[0], params(opt)[1]
+    view = opt.optimizer.state[a]["exp_avg"]  # bound to its host view between steps
+    before = view.clone()
+    fresh = view.clone() + 1  # what a load bound elsewhere, on the host: a candidate for the threaded copy
+    opt.optimizer.state[a]["exp_avg"] = fresh
+    opt.optimizer.state[b]["exp_avg_sq"] = torch.zeros(5)  # unlike the plan
+    with pytest.raises(bridge_fgo.BridgeFGOError, match="has shape \\(5,\\).*Nothing was copied or freed"):
+        engine.transfers.take_all()
+    assert torch.equal(view, before) and opt.optimizer.state[a]["exp_avg"] is fresh
+
+
 def snapshot_without(opt, param, key):
     saved = opt.optimizer.state[param].pop(key)
     try:

@@ -45,8 +45,12 @@ def run(fn: Callable, items: Sequence[tuple], name: str, workers: int = THREADS)
                for i in range(workers)]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join()
+    try:
+        for t in threads:
+            t.join()
+    finally:  # never unwound (an interrupt in join) while a thread still works on the caller's addresses
+        for t in threads:
+            t.join()
     if errors:
         raise errors[0]
     return workers

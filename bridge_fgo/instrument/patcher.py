@@ -93,9 +93,9 @@ def _apply(p: _Patch, modules) -> None:
         setattr(mod, key, built[name][2])
     p.callsites = cs
     if p.options.offload != "off":
-        # the engine's modules imported now, beside Megatron's, not at the first call inside Bridge's timed
-        # setup (about 0.09 s on a 2-core host)
-        from .. import engine  # noqa: F401
+        # the engine's modules imported now, beside Megatron's, not at their first use inside Bridge's timed setup
+        # (about 0.1 s on a 2-core host); none imports more than torch, already loaded with Megatron here
+        from ..engine import adoption, construction, contracts, fsdp, onewindow, streamed  # noqa: F401
     p.wrappers = {name: (orig, wrapper, holder, attribute) for name, (holder, orig, wrapper, _, attribute) in built.items()}
     p.aliases = sorted(f"{mod.__name__}.{key}" for mod, key, _ in aliases)
     p.outcome = outcome

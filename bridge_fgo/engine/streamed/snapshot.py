@@ -12,8 +12,8 @@ With it (read in nvidia-resiliency-ext 0.6.0 and Megatron-Core 0.19.2):
   by handle (torch's reductions move a storage into shared memory only when it is not there yet);
 - the persistent worker drops what a request handed it once the request is written (`del item`,
   gc.collect(); only GPU tensors are cached there), so keeping the snapshot holds no second copy;
-- so a save copies the host states once, into pages faulted in long before (a thread started at prepare();
-  after a checkpoint load, made and faulted in at the first save), at memcpy speed, from several threads.
+- so a save copies the host states once, at memcpy speed, from several threads, into pages faulted in long
+  before (by a thread started at prepare()), or, at the first save after a checkpoint load, just before.
 
 One snapshot, reused: the save_checkpoint call site finishes a pending asynchronous save before the next
 starts (instrument/saves.py, finish_pending), so no writer still reads the snapshot when the next save
@@ -106,7 +106,7 @@ class Snapshot:
             return
         self.nbytes = sum(e.nbytes for e, _ in self.tensors.values())
         logger.info("%sasynchronous checkpoint saves: a snapshot of the host states kept for the run, %d tensor(s), "
-                    "%s in %s, its pages faulted in by a background thread; each save copies the states into it "
+                    "%s in %s, its pages faulted in from several threads; each save copies the states into it "
                     "once and hands it to the writer, which neither clones nor moves it", rank_prefix(),
                     len(self.tensors), fmt_bytes(self.nbytes),
                     "/dev/shm (shared memory)" if self.route == SHM else "this process's memory")

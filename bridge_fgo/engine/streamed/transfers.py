@@ -92,9 +92,7 @@ class Transfers:
         """Copy `t` (what `e` is bound to) into e's host view now (unless `copied`) and bind the view; free t's
         memory if it is on the compute device and `free` (not a loaded tensor: the load's or its caller's own).
         A master keeps a storage-less tensor on the compute device as its shell (reload binds it)."""
-        # never freed here: a view of Megatron-FSDP's flat buffer, or a master made on the host at construction (a
-        # view of its landing block, which goes once the last master is taken from it)
-        stays = part.flat_master(e) or (e.kind == MASTER and construction.is_staged(e.param))
+        stays = _stays(part, e)
         self.check_takeover(part, e, t, frees=free and not stays)
         if t.device.type != "cpu":
             self.ready()
@@ -122,7 +120,9 @@ class Transfers:
 
     def take_all(self, free: bool = True) -> None:
         away = list(self.plan.away())
-        copied = _copy_host_ones(self, away)
+        for part, _, e, t in away:  # every one checked before anything is copied or freed
+            self.check_takeover(part, e, t, frees=free and not _stays(part, e))
+        copied = _copy_host_ones(away)
         for part, b, e, t in away:
             self.take(part, b, e, t, free, copied=id(e) in copied)
         self.retire_flats()
@@ -334,15 +334,19 @@ def _unlike(e: Entry, t, device, frees: bool):
     return None
 
 
-def _copy_host_ones(transfers: Transfers, away) -> set:
+def _stays(part: Part, e: Entry) -> bool:
+    """Never freed when taken: a view of Megatron-FSDP's flat buffer, or a master made on the host at
+    construction (a view of its landing block, which goes once the last master is taken from it)."""
+    return part.flat_master(e) or (e.kind == MASTER and construction.is_staged(e.param))
+
+
+def _copy_host_ones(away) -> set:
     """What is already on the host (masters made there at construction) copied into its host views from several
-    threads at once, each checked first; their entries' ids. torch's copy_ runs on one thread under torchrun:
-    0.15-0.17 s of a load for 640 MB (2xH200, 2026-11-28)."""
-    bulk = [(part, e, t) for part, _, e, t in away if _host_to_host(e, t)]
-    for part, e, t in bulk:
-        transfers.check_takeover(part, e, t, frees=False)  # (before anything is copied)
-    hostmem.spread.copy(((e.host, t) for _, e, t in bulk), "take")
-    return {id(e) for _, e, _ in bulk}
+    threads at once; their entries' ids. torch's copy_ runs on one thread under torchrun: 0.15-0.17 s of a load
+    for 640 MB (2xH200, 2026-11-28)."""
+    bulk = [(e, t) for _, _, e, t in away if _host_to_host(e, t)]
+    hostmem.spread.copy((e.host, t) for e, t in bulk)
+    return {id(e) for e, _ in bulk}
 
 
 def _host_to_host(e: Entry, t) -> bool:
