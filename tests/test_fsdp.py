@@ -59,6 +59,33 @@ def test_bit_identical_to_megatron_fsdp_without_offload(gloo, kind, chunk_bytes)
     assert_same(fsdp.snapshot(ref), fsdp.snapshot(opt))
 
 
+@pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
+def test_bit_identical_on_megatron_fsdps_own_buffer_constructed_on_cpu(gloo, kind):
+    """The layout as Megatron-FSDP's own ParamAndGradBuffer constructs it, not built by hand: its parameter
+    groups, flat main-weight buffers, main-weight DTensors and optimizer parameters (support/fsdp.py real_buffer;
+    the one stand-in there is Tensor.cuda during the constructor)."""
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer import ParamAndGradBuffer
+
+    ref = fsdp.make_optimizer_on_real_buffer(harness.Recorder(), **OPTIMIZERS[kind])
+    if ref is None:
+        pytest.skip("this megatron-core's ParamAndGradBuffer takes other arguments than 0.19.2's")
+    opt = fsdp.make_optimizer_on_real_buffer(harness.Recorder(), **OPTIMIZERS[kind])
+    pgb = opt.model_chunks[0].param_and_grad_buffer
+    assert type(pgb) is ParamAndGradBuffer and len(pgb.parameter_groups) >= 1
+    engine = StreamedEngine([opt], 40_000)
+    engine.prepare()
+    layout = engine.plan.parts[0].fsdp
+    assert layout is not None and len(layout.flats) == len(pgb.parameter_groups)
+    assert len(layout.model_params) == 4 and len(engine.chunks) > 1  # two layers' weights and biases
+    for _ in range(3):
+        step(ref)
+        step(opt, engine)
+        assert all(f.retired and f.mbuf.data.device.type == "meta" for f in layout.flats)  # given up between steps
+        assert_same(fsdp.snapshot(ref), fsdp.snapshot(opt))
+    engine.close()
+    assert_same(fsdp.snapshot(ref), fsdp.snapshot(opt))
+
+
 def test_between_steps_the_flat_masters_are_given_up_and_everything_is_on_the_host(gloo):
     opt = fsdp.make_optimizer(harness.Recorder())
     pgb = opt.model_chunks[0].param_and_grad_buffer

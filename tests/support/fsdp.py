@@ -12,6 +12,11 @@ update_main_grads attaches them: fp32 DTensors of their own storage), the optimi
 
 The optimizer's parameters are nn.Parameter(DTensor) whose local tensors are views of each group's
 main-weight buffer; Megatron-FSDP's dist_main_weight holds other DTensors over the same storage.
+
+make_optimizer_on_real_buffer: the same optimizer over Megatron-FSDP's own ParamAndGradBuffer, constructed on
+CPU (real_buffer): its constructor makes the groups, the flat buffers, the DTensors and the optimizer
+parameters; the one stand-in is Tensor.cuda during the constructor. One rank only (no parameter without
+elements), and only where the constructor is megatron-core 0.19.2's.
 """
 from __future__ import annotations
 
@@ -86,6 +91,55 @@ class Chunk:
         self.events.add("start_param_sync")
 
 
+def _stand_in_optimizer(events, pgb, chunk, optimizer: str, strategy: str, groups: int, foreach, te_kw):
+    """Megatron-Core's DistributedOptimizer under use_megatron_fsdp over `pgb`'s optimizer parameters, as its
+    constructor leaves it (the real one returns early under Megatron-FSDP, after needing a GPU model)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    class StandInFSDPOptimizer(DistributedOptimizer):
+        def __init__(self):
+            self.events = events
+
+        def step_states(self):
+            """Gradients attached as update_main_grads does (fp32 DTensors like each parameter), then
+            Megatron-Core's real step_with_ready_grads: the inner step, _copy_main_params_to_model_params
+            (Megatron-FSDP's copy), start_param_sync."""
+            for group in self.optimizer.param_groups:
+                for p in group["params"]:
+                    n = p._local_tensor.numel()
+                    if n == 0:  # update_main_grads: a parameter with no elements on this rank gets none
+                        p.grad = None
+                        continue
+                    g = torch.sin(torch.arange(n, dtype=torch.float32) * 0.37 + self._gen)
+                    p.grad = _like(p, g.to(torch.bfloat16).float())
+            self._gen += 1
+            return self.step_with_ready_grads()
+
+    params = [p for _, p in pgb.optimizer_named_parameters]
+    param_groups = [{"params": params[i::groups], "wd_mult": 1.0 / (i + 1)} for i in range(groups)]
+    opt = StandInFSDPOptimizer()
+    opt.optimizer = harness._inner_optimizer(optimizer, param_groups, foreach, False, te_kw)
+    ns = types.SimpleNamespace
+    opt.config = ns(timers=None, reuse_grad_buf_for_mxfp8_param_ag=False, barrier_with_L1_time=False,
+                    use_precision_aware_optimizer=False, use_precision_aware_optimizer_no_fp8_or_ds_fp8=False)
+    opt.ddp_config = ns(overlap_param_gather=True, use_megatron_fsdp=True, fp8_param_gather=False,
+                        fp4_param_gather=False, data_parallel_sharding_strategy=strategy)
+    opt.model_chunks = [chunk]
+    opt.is_stub_optimizer = False
+    opt.with_tensors = True
+    opt._gen = 0
+    return opt
+
+
+def _like(p, local_values):
+    """A DTensor of `local_values` with p's mesh, placements, shape and stride (a gradient as Megatron-FSDP
+    attaches it)."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local_values.view(p._local_tensor.shape), p.device_mesh, p.placements,
+                              run_check=False, shape=p.shape, stride=p.stride())
+
+
 def make_optimizer(events, seed: int = 0, optimizer: str = "torch", strategy: str = "optim_grads_params",
                    groups: int = 2, shapes=SHAPES, foreach=None, **te_kw):
     """A real DistributedOptimizer under use_megatron_fsdp with the layout above; returns it (its model chunk
@@ -94,26 +148,6 @@ def make_optimizer(events, seed: int = 0, optimizer: str = "torch", strategy: st
         DistributedDataParallelConfig
     from megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer import (
         DataParallelBuffer, ParamAndGradBuffer, ParameterGroup)
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    class StandInFSDPOptimizer(DistributedOptimizer):
-        def __init__(self):  # the real one returns early under Megatron-FSDP, after needing a GPU model
-            self.events = events
-
-        def step_states(self):
-            """Gradients attached as update_main_grads does (fp32 DTensors), then Megatron-Core's real
-            step_with_ready_grads: the inner step, _copy_main_params_to_model_params (Megatron-FSDP's copy),
-            start_param_sync."""
-            for group in self.optimizer.param_groups:
-                for p in group["params"]:
-                    n = p._local_tensor.numel()
-                    if n == 0:  # update_main_grads: a parameter with no elements on this rank gets none
-                        p.grad = None
-                        continue
-                    g = torch.sin(torch.arange(n, dtype=torch.float32) * 0.37 + self._gen)
-                    p.grad = _dtensor(g.to(torch.bfloat16).float(), tuple(p.shape), self._mesh)
-            self._gen += 1
-            return self.step_with_ready_grads()
 
     m = mesh()
     gen = torch.Generator().manual_seed(seed)
@@ -152,20 +186,54 @@ def make_optimizer(events, seed: int = 0, optimizer: str = "torch", strategy: st
     pgb.parameter_groups, pgb.optimizer_named_parameters = pgroups, named
     pgb.dist_main_weight, pgb.param_to_name = dist_main_weight, param_to_name
     chunk = Chunk(pgb, events, Module(pgb, {name: orig for orig, name in param_to_name.items()}))
-    params = [p for _, p in named]
-    param_groups = [{"params": params[i::groups], "wd_mult": 1.0 / (i + 1)} for i in range(groups)]
-    opt = StandInFSDPOptimizer()
-    opt.optimizer = harness._inner_optimizer(optimizer, param_groups, foreach, False, te_kw)
-    ns = types.SimpleNamespace
-    opt.config = ns(timers=None, reuse_grad_buf_for_mxfp8_param_ag=False, barrier_with_L1_time=False,
-                    use_precision_aware_optimizer=False, use_precision_aware_optimizer_no_fp8_or_ds_fp8=False)
-    opt.ddp_config = ns(overlap_param_gather=True, use_megatron_fsdp=True, fp8_param_gather=False,
-                        fp4_param_gather=False, data_parallel_sharding_strategy=strategy)
-    opt.model_chunks = [chunk]
-    opt.is_stub_optimizer = False
-    opt.with_tensors = True
-    opt._gen, opt._mesh = 0, m
+    opt = _stand_in_optimizer(events, pgb, chunk, optimizer, strategy, groups, foreach, te_kw)
+    opt._mesh = m  # (a test makes it say it is on the GPU)
     return opt
+
+
+def real_buffer(module, strategy: str = "optim_grads_params"):
+    """Megatron-FSDP's own ParamAndGradBuffer over `module`, constructed on CPU in a one-rank gloo world with a
+    (dp_shard, tp) mesh of one each: its parameter groups, flat buffers, main-weight DTensors and optimizer
+    parameters as its constructor makes them. The one stand-in is torch.Tensor.cuda, an identity during the
+    call (validate_uneven_dtensor moves a shape check there); None where this megatron-core's constructor is
+    not the one read (megatron-core 0.19.2)."""
+    import inspect
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from megatron.core.distributed.fsdp.src import megatron_fsdp
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer import (BucketingPolicy,
+                                                                                       ParamAndGradBuffer)
+
+    if "mixed_precision_policy" not in inspect.signature(ParamAndGradBuffer).parameters:
+        return None
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp_shard", "tp"))
+    index = megatron_fsdp.FSDPDistributedIndex(device_mesh=mesh, dp_shard_dim="dp_shard", tp_dim="tp")
+    config = megatron_fsdp.DistributedDataParallelConfig(data_parallel_sharding_strategy=strategy)
+    policy = BucketingPolicy(suggested_bucket_size=None, fsdp_unit_modules=[], data_parallel_sharding_strategy=strategy)
+    real_cuda = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *a, **k: self
+    try:
+        return ParamAndGradBuffer(config, module, bucketing_policy=policy, dist_index=index, device=torch.device("cpu"),
+                                  mixed_precision_policy=megatron_fsdp.MixedPrecisionPolicy(
+                                      main_params_dtype=torch.float32))
+    finally:
+        torch.Tensor.cuda = real_cuda
+
+
+def make_optimizer_on_real_buffer(events, seed: int = 0, optimizer: str = "torch", groups: int = 2, foreach=None,
+                                  strategy: str = "optim_grads_params", **te_kw):
+    """make_optimizer's optimizer over Megatron-FSDP's real ParamAndGradBuffer (real_buffer) of a two-layer bf16
+    module; None where real_buffer cannot make one."""
+    gen = torch.Generator().manual_seed(seed)
+    module = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Linear(96, 32)).bfloat16()
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen))
+    pgb = real_buffer(module, strategy)
+    if pgb is None:
+        return None
+    chunk = Chunk(pgb, events, Module(pgb, {name: orig for orig, name in pgb.param_to_name.items()}))
+    return _stand_in_optimizer(events, pgb, chunk, optimizer, strategy, groups, foreach, te_kw)
 
 
 def snapshot(opt) -> dict:
@@ -181,7 +249,8 @@ def snapshot(opt) -> dict:
                 out[f"state{gi}.{pi}.{key}"] = t.detach().clone().cpu() if isinstance(t, torch.Tensor) else t
     for chunk in opt.model_chunks:
         for gi, g in enumerate(chunk.param_and_grad_buffer.parameter_groups):
-            out[f"weights{gi}"] = g.model_weight_buffer.data.clone()
+            wbuf = g.model_weight_buffer  # each item's place in it (Megatron-FSDP's own buffer leaves padding unset)
+            out[f"weights{gi}"] = torch.cat([wbuf.get_item(i).flatten() for i in range(len(g.params))]).clone()
             for pi, p in enumerate(g.params):
                 out[f"model{gi}.{pi}"] = p.detach().clone()
     return out
