@@ -16,7 +16,7 @@ main-weight buffer; Megatron-FSDP's dist_main_weight holds other DTensors over t
 make_optimizer_on_real_buffer: the same optimizer over Megatron-FSDP's own ParamAndGradBuffer, constructed on
 CPU (real_buffer): its constructor makes the groups, the flat buffers, the DTensors and the optimizer
 parameters; the one stand-in is Tensor.cuda during the constructor. One rank only (no parameter without
-elements), and only where the constructor is megatron-core 0.19.2's.
+elements); megatron-core 0.17.1 to 0.19.2.
 """
 from __future__ import annotations
 
@@ -195,8 +195,8 @@ def real_buffer(module, strategy: str = "optim_grads_params"):
     """Megatron-FSDP's own ParamAndGradBuffer over `module`, constructed on CPU in a one-rank gloo world with a
     (dp_shard, tp) mesh of one each: its parameter groups, flat buffers, main-weight DTensors and optimizer
     parameters as its constructor makes them. The one stand-in is torch.Tensor.cuda, an identity during the
-    call (validate_uneven_dtensor moves a shape check there); None where this megatron-core's constructor is
-    not the one read (megatron-core 0.19.2)."""
+    call (validate_uneven_dtensor moves a shape check there). None where the constructor takes no
+    mixed_precision_policy (megatron-core 0.16.1; 0.17.1 to 0.19.2 construct it here)."""
     import inspect
 
     from torch.distributed.device_mesh import init_device_mesh
