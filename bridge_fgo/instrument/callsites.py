@@ -43,10 +43,10 @@ def checkpoint_io(sessions):
         yield
 
 
-def _load(session, wrapped, args, kwargs):
+def _load(session, wrapped, args, kwargs, start: float):
     """A checkpoint load under `session`: prepared before it, what it bound elsewhere taken after it, and where
-    its time went said."""
-    times = [time.perf_counter()]
+    its time went said, from `start` (before the session was decided: a new one is prepared then)."""
+    times = [start]
     session.prepare()
     times.append(time.perf_counter())
     try:
@@ -317,10 +317,11 @@ class CallSites:
         """A checkpoint load (setup): the session is decided and prepared first, so every optimizer
         state already lives in its host view and the load writes there; states that loading replaced
         are taken back into their host views after it."""
+        start = time.perf_counter()
         session = self._session(name, args, kwargs) if self.enabled else None
         if session is None:
             return wrapped(*args, **kwargs)
-        return _load(session, wrapped, args, kwargs)
+        return _load(session, wrapped, args, kwargs, start)
 
     def save_checkpoint(self, name, wrapped, instance, args, kwargs):
         """A checkpoint save: refused while the streamed step's states are torn (the model's weights too,

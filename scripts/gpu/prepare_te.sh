@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Usage: scripts/gpu/prepare_te.sh [PART_MB]      (PART_MB < 60, default 50: the tree travels beside each part, 64 MiB in all)
+# Usage: scripts/gpu/prepare_te.sh [PART_MB]      (PART_MB < 60, default 42: the tree (17 MB) travels beside each part, 64 MiB in all)
 # Downloads, on this machine, Transformer Engine 2.20.2 for the device (cp312, x86_64, CUDA 13):
 # the core wheel transformer-engine-cu13 (~277 MB), the transformer-engine metapackage,
 # nvdlfw-inspect, nvidia-cudnn-frontend (headers for the build) and the transformer-engine-torch
@@ -9,7 +9,7 @@
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 PY=${PY:-python3}
-part_mb=${1:-50}
+part_mb=${1:-42}
 [[ "$part_mb" =~ ^[0-9]+$ && "$part_mb" -lt 60 && "$part_mb" -gt 0 ]] || { echo "usage: $0 [PART_MB < 60]" >&2; exit 2; }
 te="$root/.te"
 dl="$te/dl"

@@ -200,8 +200,8 @@ class StreamedEngine:
             clock.lap("waiting for the registration")
             if self._warm_pending:
                 self._warm_pending = False
-                self.transfers.warm()
-                clock.lap("the warm pass")
+                self.transfers.warm(wait=False)
+                clock.lap("the warm pass queued")
             self.readers.after_load()
             clock.lap("taking what the load bound elsewhere")
         return clock.laps
