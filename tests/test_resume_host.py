@@ -443,3 +443,22 @@ def test_the_warm_pass_after_a_load_is_queued_and_its_scratch_retired_not_waited
     calls.clear()
     Transfers.warm(fake)
     assert calls == [("ready",), ("copy", "h2d", WARM_BYTES, 0), ("copy", "h2d", 5, WARM_BYTES), ("wait",)]
+
+
+def test_after_a_load_the_warm_pass_is_queued_after_the_states_are_taken(monkeypatch):
+    """The states a load bound elsewhere are taken first (that waits for every copy in flight), then the warm pass
+    is queued without a wait: the load's end does not wait for it (0.07 s for 3.8 GB on one H200)."""
+    opt = make(**CASES["te"])
+    engine = StreamedEngine([opt], 2000)
+    engine.defer_pinning = True
+    engine.prepare()
+    seen = []
+    taking = engine.readers.after_load
+    monkeypatch.setattr(engine.readers, "after_load", lambda: (seen.append("take"), taking()))
+    monkeypatch.setattr(engine.transfers, "warm", lambda wait=True: seen.append(("warm", wait)))
+    engine._warm_pending = True  # as a prepare beside a load with device copies leaves it
+    laps = engine.after_load()
+    assert seen == ["take", ("warm", False)] and not engine._warm_pending
+    assert [what for what, _ in laps] == ["waiting for the registration", "taking what the load bound elsewhere",
+                                          "the warm pass queued"]
+    engine.close()

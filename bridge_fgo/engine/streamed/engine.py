@@ -198,12 +198,12 @@ class StreamedEngine:
         if self.transfers.buffer is not None:
             self.transfers.ready()
             clock.lap("waiting for the registration")
+            self.readers.after_load()  # (it waits for every copy in flight: before the warm pass is queued)
+            clock.lap("taking what the load bound elsewhere")
             if self._warm_pending:
                 self._warm_pending = False
-                self.transfers.warm(wait=False)
+                self.transfers.warm(wait=False)  # beside what Bridge's setup does after the load
                 clock.lap("the warm pass queued")
-            self.readers.after_load()
-            clock.lap("taking what the load bound elsewhere")
         return clock.laps
 
     # -- the call sites ---------------------------------------------------------------------------
