@@ -5,7 +5,8 @@
   raises BridgeFGOConfigError before anything is pinned when it does not fit; with an asynchronous
   checkpoint save of the host states, their writer's copy counts too (and in /dev/shm, when Bridge's
   persistent checkpoint worker receives it there).
-- `pin(nbytes)` (pinning.py) allocates a pageable buffer, first-touches it (numa.py: from threads
+- `pin(nbytes)` (pinning.py) maps a pageable buffer (private, not inherited by a forked child, huge pages
+  asked for), first-touches it (numa.py: from threads
   bound to the GPU's NUMA node when the host has several), registers it with cudaHostRegister, and
   falls back to torch.empty(pin_memory=True) with one WARNING when registration is refused. The
   PinnedHost it returns is released exactly once, by free() or, as a backstop, when collected;

@@ -55,8 +55,8 @@ def _zero_pages(nbytes: int):
     Private, not inherited by a forked child, transparent huge pages asked for. Python's default anonymous
     mapping is shared (shmem): its pages faulted in at 5.0 GB/s from 8 threads, private ones at 11.9 GB/s and
     private huge pages at 25.8 GB/s (one H200's host, 2026-11-28, scripts/bench_pages.py). A forked child (a
-    data-loader worker, Megatron-Core's forked checkpoint writer, which is handed copies) does not see it, as
-    it does not see CUDA's own pinned memory: a private mapping it inherited would be copied at the fork once
+    data-loader worker; Megatron-Core's temporal checkpoint writer, handed copies made in the parent; Bridge's
+    persistent writer is spawned) does not see it, as it does not see CUDA's own pinned memory: a private mapping it inherited would be copied at the fork once
     registered, or copied page by page as the parent writes it. Where the kernel refuses the advice on
     forking, the shared mapping; where it refuses huge pages, ordinary ones."""
     import mmap
