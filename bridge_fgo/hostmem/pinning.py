@@ -19,7 +19,7 @@ from . import numa as _numa
 from .check import FIXES
 from .common import fmt_bytes
 
-_HUGE_PAGE = 2**21
+_HUGE_PAGE = 2**21  # a transparent huge page on x86-64: smaller buffers are not advised to use them
 _PIN_MEMORY_SECONDS_NOTE = "1.2-2.5 s for cudaHostRegister vs 9-10 s for pin_memory=True, measured for 10 GB"
 
 # Live PinnedHost buffers of this process. Re-entrant: the finalizer runs wherever the garbage
@@ -56,9 +56,10 @@ def _zero_pages(nbytes: int):
     mapping is shared (shmem): its pages faulted in at 5.0 GB/s from 8 threads, private ones at 11.9 GB/s and
     private huge pages at 25.8 GB/s (one H200's host, 2026-11-28, scripts/bench_pages.py). A forked child (a
     data-loader worker; Megatron-Core's temporal checkpoint writer, handed copies made in the parent; Bridge's
-    persistent writer is spawned) does not see it, as it does not see CUDA's own pinned memory: a private mapping it inherited would be copied at the fork once
-    registered, or copied page by page as the parent writes it. Where the kernel refuses the advice on
-    forking, the shared mapping; where it refuses huge pages, ordinary ones."""
+    persistent writer is spawned) does not see it, as it does not see CUDA's own pinned memory: a private
+    mapping it inherited would be copied at the fork once registered, or copied page by page as the parent
+    writes it. Where the kernel refuses the advice on forking, the shared mapping; where it refuses huge
+    pages, ordinary ones."""
     import mmap
 
     import torch
