@@ -702,6 +702,25 @@ def test_bench_script_reads_page_placement():
     assert set(pages) <= {str(n) for n in hostmem.numa_nodes()}
 
 
+def test_the_pages_benchmark_maps_and_faults_in_each_variant_and_says_when_there_is_no_cuda():
+    import importlib.util
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.path.join(root, "scripts", "bench_pages.py")
+    if not torch.cuda.is_available():
+        out = subprocess.run([sys.executable, path, "--gib", "0.01"], capture_output=True, text=True)
+        assert out.returncode == 1 and '"error": "CUDA is not available"' in out.stdout
+    spec = importlib.util.spec_from_file_location("bench_pages", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    for mapping, how in bench.VARIANTS:
+        t = bench.mapped(4 * 2**20, mapping)
+        bench.fault_in(t, how, [])
+        flags = _vm_flags(t.data_ptr())
+        assert ("sh" in flags) == (mapping == "shared") and ("hg" in flags) == (mapping == "private-huge"), flags
+        assert int(t.count_nonzero()) == 0 and bench.anon_huge_kib(t.data_ptr(), t.numel()) >= 0
+
+
 def test_status_shows_the_host_memory_the_engine_may_pin(monkeypatch):
     from bridge_fgo.instrument import diagnose
 
