@@ -430,22 +430,6 @@ class _Presented:
         return torch.empty(0, dtype=self._mbuf.dtype, device=self._mbuf.device)
 
 
-# The strategy checked on GPUs (docs/benchmarks.md#fsdp-gpu-2026-11-27): bit-identical to Megatron-FSDP without
-# offload, fresh and resumed, bf16 and FP8 tensorwise, on two H200s
-CHECKED_ON_GPU = "optim_grads_params"
-
-
-def unverified(opt) -> Optional[str]:
-    """What to say once per rank where this run's strategy has run on CPU only, else None."""
-    s = strategy(opt)
-    if s == CHECKED_ON_GPU:
-        return None
-    return (f"Megatron-FSDP's {s!r} strategy under the streamed step is checked on CPU against Megatron-FSDP's own "
-            f"buffers and copy (tests/test_fsdp.py), not yet on a GPU ({CHECKED_ON_GPU!r} is: bit-identical to no "
-            "offload, fresh and resumed, on two H200s). Compare the first steps' losses with a run without "
-            "offload, or drop offload for this run")
-
-
 def problems(opt) -> List[str]:
     """What the streamed step cannot serve of this Megatron-FSDP optimizer, each naming the field."""
     out = []

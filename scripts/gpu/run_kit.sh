@@ -3,8 +3,9 @@
 # Installs the carried wheel kit (.whl/*.whl, from prepare_wheels.sh) into /tmp/site, puts the repo,
 # /tmp/site and the optional Transformer Engine (te_install.sh's /tmp/te) and apex folders on
 # PYTHONPATH, runs COMMAND (e.g. python3 scripts/bench_offload.py all --out-dir /tmp/bench/te ...),
-# then tars the logs folder (default /tmp/bench) into $OUT/bench-logs.tgz and copies its summary.json
-# files beside it. The exit status is COMMAND's.
+# then tars the logs folder (default /tmp/bench) into $OUT/bench-logs.tgz (bench-logs-<folder>.tgz for
+# another folder, so that two kit runs in one call keep both) and copies its summary.json files beside it.
+# The exit status is COMMAND's.
 set -euo pipefail
 usage="usage: $0 [--te DIR] [--apex DIR] [--logs DIR] -- COMMAND [ARG...]"
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -29,7 +30,8 @@ echo "+ $*"
 rc=0
 (cd "$root" && "$@") 2>&1 | tee "$logs/console.log" || rc=$?
 if [[ -n "${OUT:-}" ]]; then
-  tar czf "$OUT/bench-logs.tgz" -C "$(dirname "$logs")" "$(basename "$logs")"
+  tgz=bench-logs.tgz; [[ "$logs" == /tmp/bench ]] || tgz="bench-logs-$(basename "$logs").tgz"
+  tar czf "$OUT/$tgz" -C "$(dirname "$logs")" "$(basename "$logs")"
   # each summary.json beside it too, while $OUT holds fewer than 8 files (what comes back)
   find "$logs" -name summary.json | sort | while read -r f; do
     [[ $(find "$OUT" -type f | wc -l) -lt 8 ]] || break
