@@ -180,6 +180,11 @@ def parser():
                    help="Megatron-Core without TE/apex cannot load torch AdamW state; see scripts/resume_fix.py")
     r.add_argument("--fsdp", choices=("optim", "optim_grads", "optim_grads_params"),
                    help="Megatron-FSDP with this sharding strategy (the fsdp_dtensor checkpoint format)")
+    r.add_argument("--hsdp", choices=("optim", "no_shard"),
+                   help="with --fsdp optim_grads_params: HSDP, --hsdp-instances optimizer instances on the outer "
+                        "data-parallel dimension, outer_dp_sharding_strategy this (Bridge's Nemotron recipes: optim)")
+    r.add_argument("--hsdp-instances", type=int, default=2,
+                   help="with --hsdp: cfg.ddp.num_distributed_optimizer_instances (default 2)")
     r.add_argument("--dump-layout", metavar="PATH",
                    help="write the optimizer's layout before and after the first step: PATH.PHASE.rankN.json")
     r.add_argument("--tp", type=int, default=1)

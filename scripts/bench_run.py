@@ -241,6 +241,7 @@ def run(args):
         # the final norm Megatron-Core would have used instead (apex's FusedLayerNorm has no RMSNorm)
         "norm_override": norm_override or None,
         "layout": {"tp": args.tp, "pp": args.pp, "vpp": args.vpp, "ep": args.ep, "dp": dp, "experts": args.experts, "fsdp": args.fsdp,
+                   "hsdp": getattr(args, "hsdp", None) and [args.hsdp, args.hsdp_instances],
                    "deterministic": args.deterministic, "overlap": overlap},
         "model_spec": "transformer_engine" if args.te_spec else "local",
         "activation_offload": args.act_offload_modules.split(",") if args.act_offload else None,

@@ -251,6 +251,10 @@ def build(args):
     # FP8 transpose cache); Bridge's validation turns the distributed optimizer on
     fsdp = (dict(use_megatron_fsdp=True, data_parallel_sharding_strategy=args.fsdp, keep_fp8_transpose_cache=False)
             if getattr(args, "fsdp", None) else {})
+    if fsdp and getattr(args, "hsdp", None):  # HSDP as Bridge's Nemotron 3 Ultra recipes set it (outer: optim)
+        fsdp.update(num_distributed_optimizer_instances=args.hsdp_instances, outer_dp_sharding_strategy=args.hsdp)
+    elif getattr(args, "hsdp", None):
+        raise SystemExit("--hsdp needs --fsdp optim_grads_params")
     cfg = C.ConfigContainer(
         model=model,
         train=C.TrainingConfig(train_iters=args.iters, global_batch_size=args.global_batch,

@@ -153,7 +153,8 @@ def digest(model, optimizer) -> str:
     for chunk in model:
         pgb = chunk.param_and_grad_buffer
         for g in pgb.parameter_groups:
-            for b in (g.model_weight_buffer, g.transpose_weight_buffer):
+            for b in (g.model_weight_buffer, g.transpose_weight_buffer,  # (HSDP: the helpers hold the shards)
+                      getattr(g, "hfsdp_helper_wbuf", None), getattr(g, "hfsdp_helper_wtbuf", None)):
                 if b is not None and getattr(b, "data", None) is not None and b.data.numel():
                     feed(h, b.data)
             for p in g.params:

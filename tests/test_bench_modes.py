@@ -241,6 +241,24 @@ def test_the_cpu_mode_builds_megatron_cores_cpu_optimizer_config():
         ap.parse_args(["run", "--mode", "cpu", "--offload-fraction", "0.5", "--optimizer", "nope"])
 
 
+def test_hsdp_is_configured_as_bridges_nemotron_recipes_set_it():
+    """--hsdp: Megatron-FSDP with optimizer instances on the outer data-parallel dimension and its outer
+    sharding strategy (Megatron-Bridge 0.6.2's perf_recipes/nemotronh/common.py: "optim")."""
+    from megatron.bridge.training import config
+
+    if not hasattr(config, "ValidationConfig"):
+        pytest.skip("the benchmark's workload is written for Megatron-Bridge >= 0.4 (ValidationConfig)")
+    ap = bench_offload.parser()
+    cfg, _, _, _, _ = bench_workload.build(ap.parse_args(["run", "--mode", "base", "--fsdp", "optim_grads_params",
+                                                          "--hsdp", "optim"]))
+    assert (cfg.ddp.use_megatron_fsdp, cfg.ddp.num_distributed_optimizer_instances,
+            cfg.ddp.outer_dp_sharding_strategy) == (True, 2, "optim")
+    cfg, _, _, _, _ = bench_workload.build(ap.parse_args(["run", "--mode", "base", "--fsdp", "optim_grads_params"]))
+    assert cfg.ddp.num_distributed_optimizer_instances == 1
+    with pytest.raises(SystemExit, match="--hsdp needs --fsdp"):
+        bench_workload.build(ap.parse_args(["run", "--mode", "base", "--hsdp", "optim"]))
+
+
 def test_check_optimizer_knows_megatron_cores_cpu_optimizer():
     class HybridDeviceOptimizer:
         pass

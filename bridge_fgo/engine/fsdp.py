@@ -57,6 +57,19 @@ def strategy(opt) -> Optional[str]:
     return getattr(getattr(opt, "ddp_config", None), "data_parallel_sharding_strategy", None)
 
 
+def sharding(opt) -> str:
+    """The sharding found, as the per-rank lines and status say it: the strategy, and HSDP's outer dimension
+    (num_distributed_optimizer_instances > 1: the masters of a main-weight buffer are this rank's shard over
+    every data-parallel rank with outer_dp_sharding_strategy "optim", over its instance's ranks with
+    "no_shard"; either way views of one flat buffer, served as without HSDP)."""
+    ddp = getattr(opt, "ddp_config", None)
+    text = str(strategy(opt))
+    instances = getattr(ddp, "num_distributed_optimizer_instances", 1) or 1
+    if instances > 1:
+        text += f", HSDP: {instances} optimizer instances, outer {getattr(ddp, 'outer_dp_sharding_strategy', None)}"
+    return text
+
+
 def _buffers(pgb):
     for g in getattr(pgb, "parameter_groups", None) or ():
         yield g
@@ -438,11 +451,6 @@ def problems(opt) -> List[str]:
         out.append(f"cfg.ddp.data_parallel_sharding_strategy={s!r} with Megatron-FSDP: the streamed step serves "
                    f"{', '.join(repr(x) for x in STRATEGIES)} (the masters sharded over data-parallel ranks); set "
                    "one of them, or drop offload")
-    instances = getattr(getattr(opt, "ddp_config", None), "num_distributed_optimizer_instances", 1) or 1
-    if instances > 1:
-        out.append(f"cfg.ddp.num_distributed_optimizer_instances={instances} with Megatron-FSDP (HSDP, outer "
-                   "data-parallel groups): not yet served by the streamed step (its outer sharding and helper "
-                   "buffers were never run under it, on CPU or GPU); set it to 1, or drop offload for this run")
     try:  # the layout as this engine knows it (checked here, where refusals are agreed on by every rank)
         Layout(opt)
     except BridgeFGOError as exc:

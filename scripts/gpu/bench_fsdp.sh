@@ -14,6 +14,11 @@
 #   fp8resume the FP8 tensorwise streamed step saving at 4 and resumed from it, then FP8 without offload
 #            uninterrupted (the same final parameters and FP8 scales; resumed's second half on its own)
 #   overhead bf16 without offload and with the streamed step, three of each interleaved (the step's overhead)
+#   hsdp     HSDP (--hsdp optim: two optimizer instances on the outer dimension, the masters sharded over every
+#            rank): without offload, and the streamed step saving at 4 and resumed from it
+#   hsdpfp8  the same with FP8 tensorwise, without offload and streamed
+#   plain    optim_grads_params without and with offload, one each (with NPROC=4: data-parallel 4)
+# NPROC (default 2): the GPUs and data-parallel ranks; with 4 and --hsdp, dp_shard 2 x two outer instances.
 # Issue 41's GPU runs: the 887M shape on Transformer Engine's layers and FusedAdam, deterministic_mode. A run
 # is skipped when its JSON exists or fewer than MIN_S seconds remain before DEADLINE_S. Results and logs
 # under /tmp/fsdp; summary.txt: each run's peaks, step and digest per rank.
@@ -23,10 +28,12 @@ MIN_S=${MIN_S:-50}
 ITERS=${ITERS:-8}
 R=/tmp/fsdp; CK=/tmp/fsdpck; mkdir -p $R $CK
 source "$(dirname "${BASH_SOURCE[0]}")/deadline_runs.sh"
-T="torchrun --standalone --nproc-per-node 2 scripts/bench_offload.py run --optimizer te --te-spec --deterministic"
+NPROC=${NPROC:-2}  # GPUs (data-parallel ranks): 2, or 4 on a four-GPU machine
+DEVS=$(seq -s, 0 $((NPROC - 1)))
+T="torchrun --standalone --nproc-per-node $NPROC scripts/bench_offload.py run --optimizer te --te-spec --deterministic"
 S="--fsdp optim_grads_params"
-base() { local name=$1; shift; run $name env CUDA_VISIBLE_DEVICES=0,1 $T --mode base --iters $ITERS "$@"; }
-fgo() { local name=$1; shift; run $name env CUDA_VISIBLE_DEVICES=0,1 $PATCH $T --mode builtin --iters $ITERS "$@"; }
+base() { local name=$1; shift; run $name env CUDA_VISIBLE_DEVICES=$DEVS $T --mode base --iters $ITERS "$@"; }
+fgo() { local name=$1; shift; run $name env CUDA_VISIBLE_DEVICES=$DEVS $PATCH $T --mode builtin --iters $ITERS "$@"; }
 for g in "$@"; do
   case $g in
     learn)
@@ -34,7 +41,7 @@ for g in "$@"; do
       [[ -n "${LEARN_RESUME:-}" ]] && base learn_bf16_resume $S --load $CK/learn --ckpt-step 4
       rm -rf $CK/learn
       base learn_fp8 $S --fp8 tensorwise --dump-layout $R/layout_fp8
-      run learn_cpu env CUDA_VISIBLE_DEVICES=0,1 $T --mode cpu --iters $ITERS $S ;;
+      run learn_cpu env CUDA_VISIBLE_DEVICES=$DEVS $T --mode cpu --iters $ITERS $S ;;
     bf16)
       for i in 1 2 3; do base bf16_base_$i $S; fgo bf16_streamed_$i $S; done
       base bf16_save_base $S --save $CK/bf16_base --save-interval 4
@@ -76,6 +83,16 @@ for g in "$@"; do
       base fp8_base $S --fp8 tensorwise ;;
     overhead)
       for i in 1 2 3; do base bf16_base_$i $S; fgo bf16_streamed_$i $S; done ;;
+    hsdp)  # HSDP as the Nemotron recipes set it (two optimizer instances, outer_dp_sharding_strategy optim)
+      base hsdp_base $S --hsdp optim
+      fgo hsdp_save_streamed $S --hsdp optim --save $CK/hsdp --save-interval 4
+      fgo hsdp_resume_streamed $S --hsdp optim --load $CK/hsdp --ckpt-step 4
+      rm -rf $CK/hsdp ;;
+    hsdpfp8)
+      base hsdp_fp8_base $S --hsdp optim --fp8 tensorwise
+      fgo hsdp_fp8_streamed $S --hsdp optim --fp8 tensorwise ;;
+    plain)  # optim_grads_params without HSDP, one of each (data-parallel NPROC)
+      base plain_base $S; fgo plain_streamed $S ;;
     strategies)
       for s in optim optim_grads; do base ${s}_base --fsdp $s; fgo ${s}_streamed --fsdp $s; done ;;
     *) echo "unknown group $g" >&2; exit 2 ;;

@@ -21,6 +21,7 @@ elements); megatron-core 0.17.1 to 0.19.2.
 from __future__ import annotations
 
 import types
+from typing import Optional
 
 import torch
 
@@ -191,14 +192,21 @@ def make_optimizer(events, seed: int = 0, optimizer: str = "torch", strategy: st
     return opt
 
 
-def real_buffer(module, strategy: str = "optim_grads_params"):
+def real_buffer(module, strategy: str = "optim_grads_params", outer: Optional[str] = None):
     """Megatron-FSDP's own ParamAndGradBuffer over `module`, constructed on CPU in a one-rank gloo world with a
     (dp_shard, tp) mesh of one each: its parameter groups, flat buffers, main-weight DTensors and optimizer
     parameters as its constructor makes them. The one stand-in is torch.Tensor.cuda, an identity during the
     call (validate_uneven_dtensor moves a shape check there). None where the constructor takes no
-    mixed_precision_policy (megatron-core 0.16.1; 0.17.1 to 0.19.2 construct it here)."""
+    mixed_precision_policy (megatron-core 0.16.1; 0.17.1 to 0.19.2 construct it here).
+
+    `outer` (HSDP, in a gloo world of several ranks): a (dp_outer, dp_shard, tp) mesh with every rank on the
+    outer dimension, and Megatron-FSDP's outer_dp_sharding_strategy `outer` ("optim": the masters sharded over
+    every data-parallel rank through its helper buffers, as Megatron-Bridge's Nemotron recipes set it;
+    "no_shard": replicated over the outer dimension), as Megatron-Core's adapter builds it for
+    num_distributed_optimizer_instances > 1."""
     import inspect
 
+    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from megatron.core.distributed.fsdp.src import megatron_fsdp
     from megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer import (BucketingPolicy,
@@ -206,9 +214,17 @@ def real_buffer(module, strategy: str = "optim_grads_params"):
 
     if "mixed_precision_policy" not in inspect.signature(ParamAndGradBuffer).parameters:
         return None
-    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp_shard", "tp"))
-    index = megatron_fsdp.FSDPDistributedIndex(device_mesh=mesh, dp_shard_dim="dp_shard", tp_dim="tp")
-    config = megatron_fsdp.DistributedDataParallelConfig(data_parallel_sharding_strategy=strategy)
+    if outer is None:
+        mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp_shard", "tp"))
+        index = megatron_fsdp.FSDPDistributedIndex(device_mesh=mesh, dp_shard_dim="dp_shard", tp_dim="tp")
+        config = megatron_fsdp.DistributedDataParallelConfig(data_parallel_sharding_strategy=strategy)
+    else:
+        mesh = init_device_mesh("cpu", (dist.get_world_size(), 1, 1), mesh_dim_names=("dp_outer", "dp_shard", "tp"))
+        index = megatron_fsdp.FSDPDistributedIndex(device_mesh=mesh, dp_shard_dim="dp_shard", dp_outer_dim="dp_outer",
+                                                   tp_dim="tp", hybrid_fsdp_group=dist.group.WORLD,
+                                                   hsdp_outer_dp_shard=outer != "no_shard")
+        config = megatron_fsdp.DistributedDataParallelConfig(data_parallel_sharding_strategy=strategy,
+                                                             outer_dp_sharding_strategy=outer)
     policy = BucketingPolicy(suggested_bucket_size=None, fsdp_unit_modules=[], data_parallel_sharding_strategy=strategy)
     real_cuda = torch.Tensor.cuda
     torch.Tensor.cuda = lambda self, *a, **k: self
@@ -221,7 +237,7 @@ def real_buffer(module, strategy: str = "optim_grads_params"):
 
 
 def make_optimizer_on_real_buffer(events, seed: int = 0, optimizer: str = "torch", groups: int = 2, foreach=None,
-                                  strategy: str = "optim_grads_params", **te_kw):
+                                  strategy: str = "optim_grads_params", outer: Optional[str] = None, **te_kw):
     """make_optimizer's optimizer over Megatron-FSDP's real ParamAndGradBuffer (real_buffer) of a two-layer bf16
     module; None where real_buffer cannot make one."""
     gen = torch.Generator().manual_seed(seed)
@@ -229,7 +245,7 @@ def make_optimizer_on_real_buffer(events, seed: int = 0, optimizer: str = "torch
     with torch.no_grad():
         for p in module.parameters():
             p.copy_(torch.randn(p.shape, generator=gen))
-    pgb = real_buffer(module, strategy)
+    pgb = real_buffer(module, strategy, outer)
     if pgb is None:
         return None
     chunk = Chunk(pgb, events, Module(pgb, {name: orig for orig, name in pgb.param_to_name.items()}))
@@ -250,8 +266,12 @@ def snapshot(opt) -> dict:
     for chunk in opt.model_chunks:
         for gi, g in enumerate(chunk.param_and_grad_buffer.parameter_groups):
             wbuf = g.model_weight_buffer  # each item's place in it (Megatron-FSDP's own buffer leaves padding unset)
-            out[f"weights{gi}"] = torch.cat([wbuf.get_item(i).flatten() for i in range(len(g.params))]).clone()
+            shard = wbuf.is_data_distributed  # (HSDP: sharded over every rank, its gathered bucket freed)
+            out[f"weights{gi}"] = torch.cat([wbuf.get_item(i, only_shard=shard).flatten()
+                                             for i in range(len(g.params))]).clone()
             for pi, p in enumerate(g.params):
+                if p.untyped_storage().nbytes() < (p.storage_offset() + p.numel()) * p.element_size():
+                    continue  # a view of a gathered bucket Megatron-FSDP has freed (its storage resized to 0)
                 out[f"model{gi}.{pi}"] = p.detach().clone()
     return out
 

@@ -279,7 +279,7 @@ class Plan:
                 continue
             text = contracts.describe(inner)
             if part.fsdp is not None:  # which sharding was found, for the per-rank lines and status
-                text += (f" under Megatron-FSDP, {fsdp.strategy(part._opt())} ({len(part.fsdp.flats)} main-weight "
+                text += (f" under Megatron-FSDP, {fsdp.sharding(part._opt())} ({len(part.fsdp.flats)} main-weight "
                          "buffer(s))")
             out.append(text)
         return out
