@@ -366,6 +366,28 @@ def test_the_other_strategies_run_bit_identical_without_a_warning(gloo, caplog_f
     bridge_fgo.unpatch()
 
 
+@pytest.mark.parametrize("outer,fp8,said", [
+    ("optim", False, None),
+    ("no_shard", False, "outer_dp_sharding_strategy='no_shard' (checked on CPU"),
+    ("optim", True, "FP8 parameters (cfg.ddp.fp8_param_gather=True: not run under HSDP)"),
+])
+def test_hsdp_not_yet_run_on_a_gpu_is_said_once_per_rank(gloo, caplog_fgo, outer, fp8, said):
+    # the HSDP settings only, on the one-rank rig: what the WARNING reads is the configuration
+    bridge_fgo.patch(offload="builtin", chunk_mb=1)
+    rig = fsdp_rig()
+    ddp = rig.dist_optimizer.ddp_config
+    ddp.num_distributed_optimizer_instances, ddp.outer_dp_sharding_strategy = 2, outer
+    ddp.fp8_param_gather = fp8
+    harness.run_steps(rig, steps=2)
+    warned = [r.getMessage() for r in caplog_fgo.records if r.levelname == "WARNING" and r.name == "bridge_fgo"]
+    if said is None:
+        assert warned == [] and engine_fsdp.unverified(rig.dist_optimizer) is None
+    else:
+        assert warned == ["[rank 0] " + engine_fsdp.unverified(rig.dist_optimizer)] and said in warned[0]
+        assert "has run on GPUs with outer_dp_sharding_strategy='optim' and bf16 parameters" in warned[0]
+    bridge_fgo.unpatch()
+
+
 REFUSED = [
     (dict(chunk_mb=0), {}, "offload='builtin' with chunk_mb > 0"),
     ({}, {"logger.log_params_norm": True}, "cfg.logger.log_params_norm=True with Megatron-FSDP"),

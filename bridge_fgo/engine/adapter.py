@@ -64,6 +64,11 @@ class BuiltinAdapter:
         if self.fit is None:
             self.check()
         logger.info("%s%s", rank_prefix(), self.fit.describe())
+        if self.chunk_mb:
+            from .fsdp import unverified
+
+            for said in {unverified(part.fsdp.opt) for part in self.engine.parts if part.fsdp is not None} - {None}:
+                logger.warning("%s%s", rank_prefix(), said)
         self.engine.prepare()
         laps = getattr(self.engine, "prepare_laps", None)
         logger.info("%sbuiltin engine ready before the first step: %s; %d bytes of %s host buffer in %.2f s%s; %s",

@@ -443,6 +443,32 @@ class _Presented:
         return torch.empty(0, dtype=self._mbuf.dtype, device=self._mbuf.device)
 
 
+# HSDP as run on four H200s (docs/benchmarks.md#gpu-2026-11-28f): outer "optim", bf16 parameters, bit-identical
+# fresh and resumed. What else HSDP allows is served the same way but has not run on a GPU: said once per rank.
+HSDP_RUN_ON_GPU = "optim"
+
+
+def unverified(opt) -> Optional[str]:
+    """What to say once per rank where this run's HSDP has not run on a GPU under the streamed step, else None."""
+    ddp = getattr(opt, "ddp_config", None)
+    if (getattr(ddp, "num_distributed_optimizer_instances", 1) or 1) <= 1:
+        return None
+    outer = getattr(ddp, "outer_dp_sharding_strategy", None)
+    fp8 = bool(getattr(ddp, "fp8_param_gather", False))
+    what = []
+    if outer != HSDP_RUN_ON_GPU:
+        what.append(f"cfg.ddp.outer_dp_sharding_strategy={outer!r} (checked on CPU on Megatron-FSDP's own buffers, "
+                    "tests/test_fsdp.py)")
+    if fp8:
+        what.append("FP8 parameters (cfg.ddp.fp8_param_gather=True: not run under HSDP)")
+    if not what:
+        return None
+    return (f"Megatron-FSDP's HSDP under the streamed step has run on GPUs with outer_dp_sharding_strategy="
+            f"{HSDP_RUN_ON_GPU!r} and bf16 parameters (bit-identical to no offload, fresh and resumed, on four H200s); "
+            f"this run's {' and '.join(what)} has not. Compare the first steps' losses with a run without offload, "
+            "or drop offload for this run")
+
+
 def problems(opt) -> List[str]:
     """What the streamed step cannot serve of this Megatron-FSDP optimizer, each naming the field."""
     out = []
