@@ -21,6 +21,9 @@ block during setup, the host buffer during a load or at the first step) and each
 waited for, the host's RSS and /dev/shm after setup and after the load. BENCH_SYNC_AT=I[,J]: in a run with
 --async-save, the saves at these iterations are synchronous (async_save off for that call only), so one
 run measures both kinds; each save records whether a save was pending when it started.
+BENCH_LOAD_THREADS=N: torch's intra-op threads are N during Bridge's "load-checkpoint" timer (restored at its
+stop), recorded as load_threads (with the count before): torchrun starts each rank with OMP_NUM_THREADS=1, and
+with offload the load's copies land in host memory through torch's CPU copy (docs/benchmarks.md#gpu-2026-11-28e).
 
 Importing this module imports neither torch nor Megatron.
 """
@@ -118,14 +121,28 @@ def instrument_setup(held):
 
     held.update(timers={}, pins=[], host={}, running=[])
     start, stop = timers.Timer.start, timers.Timer.stop
+    load_threads = os.environ.get("BENCH_LOAD_THREADS")
+    if load_threads is not None and not (load_threads.isdigit() and int(load_threads) > 0):
+        raise SystemExit(f"BENCH_LOAD_THREADS={load_threads!r}: a positive integer (torch's threads during a load)")
 
     def timed_start(self, barrier=False):
         held["running"].append(self.name)
+        if load_threads and self.name == "load-checkpoint":
+            import torch
+
+            held["load_threads"] = {"before": torch.get_num_threads(), "during": int(load_threads)}
+            torch.set_num_threads(int(load_threads))
         return start(self, barrier)
 
     def timed_stop(self, barrier=False):
         before = self._elapsed
-        out = stop(self, barrier)
+        try:
+            out = stop(self, barrier)
+        finally:
+            if load_threads and self.name == "load-checkpoint" and "load_threads" in held:
+                import torch
+
+                torch.set_num_threads(held["load_threads"]["before"])
         held["timers"][self.name] = held["timers"].get(self.name, 0.0) + self._elapsed - before
         if self.name in held["running"]:
             held["running"].remove(self.name)
@@ -168,6 +185,7 @@ def setup_figures(held, recs):
     steady = [r["step_s"] for r in recs[1:]]
     return {
         "setup_s": t.get("model-and-optimizer-setup"), "load_s": t.get("load-checkpoint"),
+        "load_threads": held.get("load_threads"),
         "pins": pins,
         "setup_pin_s": sum(p.get("pin_s", 0.0) for p in pins if p["during"] == "model-and-optimizer-setup"),
         "load_pin_s": sum(p.get("pin_s", 0.0) + p.get("waited_s", 0.0) for p in pins

@@ -60,6 +60,30 @@ def test_setup_and_load_timers_and_the_pinning_are_recorded(restore_patched, mon
     assert fresh["first_iter_after_load_s"] is None and fresh["load_s"] is None  # no load: no figure
 
 
+def test_bench_load_threads_sets_torchs_threads_for_the_load_only(restore_patched, monkeypatch):
+    import torch
+    from megatron.core import timers
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    before = torch.get_num_threads()
+    monkeypatch.setenv("BENCH_LOAD_THREADS", "3")
+    held, seen = {}, []
+    saves.instrument_setup(held)
+    t = timers.Timers(0, "minmax")
+    t("model-and-optimizer-setup", log_level=0).start()
+    seen.append(torch.get_num_threads())
+    t("model-and-optimizer-setup").stop()
+    t("load-checkpoint", log_level=0).start()
+    seen.append(torch.get_num_threads())
+    t("load-checkpoint").stop()
+    seen.append(torch.get_num_threads())
+    assert seen == [before, 3, before]
+    assert saves.setup_figures(held, [])["load_threads"] == {"before": before, "during": 3}
+    monkeypatch.setenv("BENCH_LOAD_THREADS", "many")
+    with pytest.raises(SystemExit, match="BENCH_LOAD_THREADS='many': a positive integer"):
+        saves.instrument_setup({})
+
+
 def test_the_saves_named_in_bench_sync_at_are_synchronous(monkeypatch):
     import megatron.bridge.training.checkpointing as ckpt
 

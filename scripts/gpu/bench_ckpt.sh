@@ -13,7 +13,8 @@
 # ratios against the targets); results and logs in /tmp/i43, tarred into $OUT.
 # The model: the 887M model's shape with LAYERS layers (default 4, about 0.32B parameters, a 3.8 GB
 # checkpoint) so that a group's 7 runs fit about 4.5 minutes; LAYERS=16 is the 887M model itself (about
-# 2.5x longer runs: one group a call).
+# 2.5x longer runs: one group a call). BENCH_LOAD_THREADS=N (passed to every run): torch's threads during the
+# load, with and without offload alike (scripts/bench_saves.py).
 set -u
 DEADLINE_S=${DEADLINE_S:-540}
 MIN_S=${MIN_S:-45}
