@@ -162,3 +162,51 @@ def test_a_target_in_another_module_is_patched_all_or_none(monkeypatch, train_mo
     assert report.outcome == "not-patched" and train_module.train_step is before
     notes = diagnose_mod.diagnose(Options()).target_notes
     assert notes["save_checkpoint"] == f"not in {ckpt.__name__}"
+
+
+def test_the_holders_of_an_object_are_its_top_level_bindings_found_by_identity(monkeypatch):
+    """targets.holders_of, which patch() and unpatch() read for every target at once: for each object,
+    every loaded module binding it at top level, in the order of sys.modules and of the module's names,
+    as a scan of each module's names finds them; by identity alone (a wrapper that compares equal to
+    another, as wrapt's proxies compare as what they wrap, is not it; a value whose == raises is passed by)."""
+    import types
+
+    import wrapt
+
+    def f():
+        pass
+
+    def call(wrapped, instance, args, kwargs):
+        return wrapped(*args, **kwargs)
+
+    g, h = wrapt.FunctionWrapper(f, call), wrapt.FunctionWrapper(f, call)
+    assert g == h and g is not h
+
+    class Loud:
+        __hash__ = object.__hash__
+
+        def __eq__(self, other):
+            raise AssertionError("compared")
+
+    a, b = types.ModuleType("fgo_holders_a"), types.ModuleType("fgo_holders_b")
+    a.f, a.g, a.loud, a.again = f, g, Loud(), f
+    b.h, b.g = h, g
+    for mod in (a, b):
+        monkeypatch.setitem(sys.modules, mod.__name__, mod)
+
+    def scanned(obj):
+        out = []
+        for mod in list(sys.modules.values()):
+            try:
+                ns = vars(mod)
+            except TypeError:
+                continue
+            out += [(mod, key) for key, value in list(ns.items()) if value is obj]
+        return out
+
+    found = targets.holders_of([f, g, h])
+    assert found == [scanned(f), scanned(g), scanned(h)]
+    assert [[(m.__name__, key) for m, key in held] for held in found] == [
+        [("fgo_holders_a", "f"), ("fgo_holders_a", "again")], [("fgo_holders_a", "g"), ("fgo_holders_b", "g")],
+        [("fgo_holders_b", "h")]]
+    assert list(targets.holders(g)) == found[1]

@@ -85,8 +85,9 @@ def _apply(p: _Patch, modules) -> None:
         built[t.name] = (holder, original, _Target(original, cs.site(t)), t.owner is None, t.attribute)
         cs.originals[t.name] = original
     # module-level targets only: `from module import name` elsewhere binds the same function
-    aliases = [(mod, key, name) for name, (holder, orig, _, at_module, _) in built.items() if at_module
-               for mod, key in targets.holders(orig) if mod is not holder]
+    at_module = [(name, holder, orig) for name, (holder, orig, _, module_level, _) in built.items() if module_level]
+    aliases = [(mod, key, name) for (name, holder, _), held in zip(at_module, targets.holders_of(
+               [orig for _, _, orig in at_module])) for mod, key in held if mod is not holder]
     for holder, _, wrapper, _, attribute in built.values():
         setattr(holder, attribute, wrapper)
     for mod, key, name in aliases:
@@ -167,11 +168,12 @@ def unpatch() -> rpt.Report:
             if p.callsites is not None:
                 p.callsites.close()
         finally:
-            for original, wrapper, holder, attribute in p.wrappers.values():
+            # every binding of our wrappers, wherever they went (aliases bound after patching too)
+            bound = targets.holders_of([wrapper for _, wrapper, _, _ in p.wrappers.values()])
+            for (original, wrapper, holder, attribute), held in zip(p.wrappers.values(), bound):
                 if vars(holder).get(attribute) is wrapper:  # a class attribute is bound in one place only
                     setattr(holder, attribute, original)
-                # every binding of our wrapper, wherever it went (aliases bound after patching too)
-                for mod, key in list(targets.holders(wrapper)):
+                for mod, key in held:
                     setattr(mod, key, original)
             p.active = False
             p.outcome = rpt.UNPATCHED

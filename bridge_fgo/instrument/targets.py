@@ -5,8 +5,11 @@ read TARGETS. Nothing here imports torch or Megatron: callers hand in modules al
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import inspect
+import itertools
+import operator
 import sys
 import types
 from typing import Dict, Iterator, List, Mapping, Optional, Tuple
@@ -197,11 +200,32 @@ def holders(obj) -> Iterator[Tuple[types.ModuleType, str]]:
     """(module, name) for every loaded module that binds `obj` at top level, e.g. pretrain's
     `from megatron.bridge.training.train import train`. Reads module dicts only: getattr on lazy
     modules (transformers') imports submodules."""
+    return iter(holders_of([obj])[0])
+
+
+def holders_of(objs) -> List[List[Tuple[types.ModuleType, str]]]:
+    """holders(obj) for each of `objs`, from one pass over the loaded modules: thousands where Megatron
+    is imported, read at every patch() and unpatch(). Every module's values are laid end to end; for
+    each type among `objs`, the values of exactly that type are picked out (a value that is obj has
+    obj's type) and compared with each of `objs` of that type by identity, both in C; the modules
+    holding one are then read for its names."""
+    found: List[List[Tuple[types.ModuleType, str]]] = [[] for _ in objs]
+    modules, values, ends = [], [], []
     for mod in list(sys.modules.values()):
         try:
             ns = vars(mod)
         except TypeError:
             continue
-        for key, value in list(ns.items()):
-            if value is obj:
-                yield mod, key
+        modules.append(mod)
+        values.extend(list(ns.values()))
+        ends.append(len(values))
+    for kind in {type(obj) for obj in objs}:
+        at = list(itertools.compress(range(len(values)), map(operator.is_, map(type, values), itertools.repeat(kind))))
+        of_kind = list(map(values.__getitem__, at))
+        for i, obj in enumerate(objs):
+            if type(obj) is not kind:
+                continue
+            hits = itertools.compress(at, map(operator.is_, of_kind, itertools.repeat(obj)))
+            for m in dict.fromkeys(bisect.bisect_right(ends, j) for j in hits):  # each module once, in order
+                found[i].extend((modules[m], key) for key, value in list(vars(modules[m]).items()) if value is obj)
+    return found
