@@ -4,11 +4,13 @@ message, promptly; no refusal, nobody raises; and the engine's sequence (check_f
 against that rank's faked /proc/meminfo, then agree) stops all three ranks with rank 1's figures."""
 import contextlib
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
 import time
 from datetime import timedelta
+from multiprocessing import forkserver
 
 import pytest
 import torch
@@ -112,16 +114,24 @@ def _rank_main(rank, world, port, out_dir, problems, roots):
 
 
 def run_ranks(out_dir, problems=None, roots=None, world=3):
-    return run_ranks_with(_rank_main, out_dir, problems, roots, world=world)
+    return run_ranks_with(_rank_main, out_dir, problems, roots, world=world, preload=["test_agree"])
 
 
-def run_ranks_with(main, out_dir, *args, world=3):
+def run_ranks_with(main, out_dir, *args, world=3, preload=None):
     """main(rank, world, port, out_dir, *args) in `world` spawned processes; every rank's result (its
     out_dir/rank<N>.json); fails the test if the ranks are not all done within DEADLINE_S, or if any
-    rank exits non-zero, with the tail of every rank's output (out_dir/rank<N>.log)."""
+    rank exits non-zero, with the tail of every rank's output (out_dir/rank<N>.log).
+
+    `preload`: the modules a rank imports before it does anything bridge_fgo would see: the module of
+    `main` (what a spawned rank imports to find it), and more where `main` imports them first thing
+    (Bridge's, Megatron-Core's). They are imported once, in multiprocessing's fork server, whose forks
+    are then the ranks: each starts with them loaded instead of importing them (10 s a rank for Bridge
+    on a 2-core host), with this process's environment, directory and sys.path, as a spawned rank."""
     t0 = time.monotonic()
-    ctx = mp.start_processes(_logged, args=(main, world, ports.free_ports(), str(out_dir), *args),
-                             nprocs=world, join=False, start_method="spawn")
+    if preload is not None:
+        _fork_server(tuple(preload))
+    ctx = mp.start_processes(_logged, args=(main, world, ports.free_ports(), str(out_dir), dict(os.environ), *args),
+                             nprocs=world, join=False, start_method="spawn" if preload is None else "forkserver")
     try:
         while not ctx.join(timeout=1):
             if time.monotonic() - t0 > DEADLINE_S:
@@ -134,9 +144,27 @@ def run_ranks_with(main, out_dir, *args, world=3):
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world)]
 
 
-def _logged(rank, main, world, port, out_dir, *args):
+_server = []  # what this process's fork server preloads, once run_ranks_with has set it
+
+
+def _fork_server(preload):
+    """multiprocessing's fork server (one per process) preloading `preload`: the one there, or, where it
+    preloads other modules, a new one (the next rank starts it)."""
+    if _server and _server[0] != preload:
+        forkserver._forkserver._stop()  # (its ranks are done: run_ranks_with waited for them)
+        _server.clear()
+    if not _server:
+        multiprocessing.set_forkserver_preload(list(preload))
+        _server.append(preload)
+
+
+def _logged(rank, main, world, port, out_dir, environ, *args):
     """A rank's output goes to out_dir/rank<N>.log at the file-descriptor level, so what C++ writes
-    before an abort (gloo, torch) is kept and shown when the rank fails."""
+    before an abort (gloo, torch) is kept and shown when the rank fails. The environment is the
+    starting process's (a fork server's rank would otherwise have the server's, as it was when it started)."""
+    if os.environ != environ:
+        os.environ.clear()
+        os.environ.update(environ)
     with open(os.path.join(out_dir, f"rank{rank}.log"), "ab", buffering=0) as log:
         os.dup2(log.fileno(), 1)
         os.dup2(log.fileno(), 2)

@@ -41,7 +41,9 @@ def _rank_main(rank, world, port, out_dir):
 
 
 def test_one_rank_short_of_host_memory_stops_every_rank_before_anything_is_pinned(tmp_path):
-    results = run_ranks_with(_rank_main, tmp_path, world=3)
+    # (preloaded: the rank's module and test_streamed, imported before the patch; Bridge only after it)
+    results = run_ranks_with(_rank_main, tmp_path, world=3,
+                             preload=["test_agree", "test_collective_refusal", "test_streamed"])
     assert [r["raised"] for r in results] == ["BridgeFGOConfigError"] * 3
     (message,) = {r["message"] for r in results}
     assert message.startswith("optimizer-state offload: refused on rank(s) 1 (of 3) before anything was pinned: "

@@ -302,6 +302,12 @@ def test_megatron_cores_own_offloaders_refuse_muon_and_the_builtin_engine_names_
 
 # -- two data-parallel ranks: each its own matrices (dist_muon) ---------------------------------------
 
+# What each rank below imports before bridge_fgo acts (test_agree.run_ranks_with): its module, and Bridge's
+# optimizer setup (loadable without TE), which builds the Run before the first patch() or engine.
+PRELOAD = ("test_agree", "test_muon", "support.te_free_installed", "megatron.bridge.training.config",
+           "megatron.bridge.training.optim")
+
+
 def _rank(rank, world, port, out_dir, runs, clipping=False):
     """Each of `runs` ((offload, chunk_mb) pairs) in turn, in one gloo group: the same steps, a fresh optimizer
     each. `clipping`: _clipped_steps over attention layers (the layer-wise optimizer gives each rank whole
@@ -346,7 +352,7 @@ def _two_ranks(tmp_path, chunk_mbs, clipping=False):
     from test_agree import run_ranks_with
 
     runs = [(False, 0)] + [(True, c) for c in chunk_mbs]
-    run_ranks_with(_rank, tmp_path, runs, clipping, world=2)
+    run_ranks_with(_rank, tmp_path, runs, clipping, world=2, preload=PRELOAD)
     per_rank = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     got = {None if not offload else c: [outs[i] for outs in per_rank] for i, (offload, c) in enumerate(runs)}
     for chunk_mb in chunk_mbs:
@@ -443,7 +449,7 @@ def test_tensor_parallel_ranks_keeping_other_matrices_resident_step_them_in_one_
     aborts on the sizes, same-shaped matrices would be mixed silently)."""
     from test_agree import run_ranks_with
 
-    run_ranks_with(_tp_rank, tmp_path, world=2)
+    run_ranks_with(_tp_rank, tmp_path, world=2, preload=PRELOAD)
     got = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     assert [r[True]["resident"] for r in got] == [1024, 512]  # d's master and momentum; b's
     for r in got:

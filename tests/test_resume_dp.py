@@ -241,7 +241,9 @@ def runs(tmp_path_factory):
         one = {"save": save_all(out, 1, gpu)}
     ranks = out / "ranks"
     ranks.mkdir()
-    run_ranks_with(_worker, ranks, str(out), ["save", "resume from 2", "resume from 1"], world=2)
+    # (a rank imports Megatron-Core first thing, in dp.initialize(): preloaded with its own module)
+    run_ranks_with(_worker, ranks, str(out), ["save", "resume from 2", "resume from 1"], world=2,
+                   preload=["test_agree", "test_resume_dp", "megatron.core.parallel_state"])
     two = [torch.load(ranks / f"rank{r}.pt", weights_only=False) for r in range(2)]
     with one_rank(out) as gpu:
         one["resume from 2"] = resume_all(out, 1, 2, gpu)
