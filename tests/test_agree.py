@@ -172,6 +172,12 @@ def _logged(rank, main, world, port, out_dir, environ, *args):
     # Done: leave without the interpreter's teardown (a spawned child ends with sys.exit), where a rank once
     # aborted after its work was written ("terminate called without an active exception", a C++ thread of
     # torch's destroyed at exit; CI, 0.4.2, twice in 2026-11). A rank that raised does not get here.
+    # That teardown would also have stopped the rank's own child processes: Megatron-Core's filesystem
+    # writer starts a multiprocessing Manager for its results queue, a server process that would
+    # otherwise outlive the rank and the test run, holding 0.7 GB, for good.
+    for child in multiprocessing.active_children():
+        child.terminate()
+        child.join(10)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
