@@ -155,6 +155,19 @@ def _fork_server(preload):
         _server.clear()
     if not _server:
         multiprocessing.set_forkserver_preload(list(preload))
+        # Started here, with this process's sys.path as PYTHONPATH: the server imports `preload` before it
+        # applies the sys.path it is given (CPython 3.11, 3.12, 3.13.0: forkserver.main ignores sys_path), so
+        # started by the first rank, with pytest's entries (the checkout, tests/) missing, it found none of
+        # them and said nothing (an ImportError there is passed over): every rank imported them itself.
+        before = os.environ.get("PYTHONPATH")
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        try:
+            forkserver.ensure_running()
+        finally:
+            if before is None:
+                del os.environ["PYTHONPATH"]
+            else:
+                os.environ["PYTHONPATH"] = before
         _server.append(preload)
 
 
