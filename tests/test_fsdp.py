@@ -147,7 +147,8 @@ def test_hsdp_bit_identical_on_megatron_fsdps_own_buffers_over_two_ranks(tmp_pat
         pytest.skip("this megatron-core's Megatron-FSDP has no outer_dp_sharding_strategy")
     from test_agree import run_ranks_with
 
-    results = run_ranks_with(_hsdp_rank, tmp_path, outer, kind, world=2)
+    # (preloaded: the rank's module, which imports Megatron-FSDP's buffer and bridge_fgo first thing)
+    results = run_ranks_with(_hsdp_rank, tmp_path, outer, kind, world=2, preload=["test_agree", "test_fsdp"])
     for r in results:
         assert r["problems"] == [] and r["same"] == [True, True, True], r
         assert r["mesh"] == ["dp_outer", "dp_shard"] and r["chunks"] > 1
