@@ -6,7 +6,9 @@ Under cfg.ddp.use_megatron_fsdp, Megatron-Core's DistributedOptimizer returns ea
 (`main_weight_buffer.data`, this rank's shard for the optim, optim_grads and optim_grads_params
 strategies), and the inner optimizer steps `nn.Parameter(DTensor)`s whose local tensors are views of
 that buffer. The states are DTensors of their own storage (Transformer Engine's FusedAdam wraps what it
-makes in DTensor.from_local). Measured on two H200s on 2026-11-27 (docs/design.md#megatron-fsdp).
+makes in DTensor.from_local). Measured on two H200s on 2026-11-27 (docs/design.md#megatron-fsdp). HSDP
+(num_distributed_optimizer_instances > 1) lays them out the same way over a (dp_outer, dp_shard) mesh: see
+sharding().
 
 What this module does for the engine:
 - the masters are the local tensors of the optimizer's parameters (`local`), rebound in place like a
