@@ -136,14 +136,14 @@ def test_hsdp_bit_identical_on_megatron_fsdps_own_buffers_over_two_ranks(tmp_pat
     outer dimension over both; "optim" (Megatron-Bridge's Nemotron recipes) shards the masters over both ranks
     through its helper buffers, "no_shard" replicates them. The streamed step is bit-identical to no offload on
     every rank, and nothing is refused."""
-    from megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer import ParamAndGradBuffer
     import inspect
+
+    from megatron.core.distributed.fsdp.src import megatron_fsdp
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer import ParamAndGradBuffer
 
     if "mixed_precision_policy" not in inspect.signature(ParamAndGradBuffer).parameters:
         pytest.skip("this megatron-core's ParamAndGradBuffer takes no mixed_precision_policy (0.16.1)")
-    if "outer_dp_sharding_strategy" not in inspect.signature(
-            __import__("megatron.core.distributed.fsdp.src.megatron_fsdp", fromlist=["x"])
-            .DistributedDataParallelConfig).parameters:
+    if "outer_dp_sharding_strategy" not in inspect.signature(megatron_fsdp.DistributedDataParallelConfig).parameters:
         pytest.skip("this megatron-core's Megatron-FSDP has no outer_dp_sharding_strategy")
     from test_agree import run_ranks_with
 

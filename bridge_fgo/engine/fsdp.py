@@ -64,12 +64,18 @@ def sharding(opt) -> str:
     (num_distributed_optimizer_instances > 1: the masters of a main-weight buffer are this rank's shard over
     every data-parallel rank with outer_dp_sharding_strategy "optim", over its instance's ranks with
     "no_shard"; either way views of one flat buffer, served as without HSDP)."""
-    ddp = getattr(opt, "ddp_config", None)
     text = str(strategy(opt))
-    instances = getattr(ddp, "num_distributed_optimizer_instances", 1) or 1
+    instances, outer = _hsdp(opt)
     if instances > 1:
-        text += f", HSDP: {instances} optimizer instances, outer {getattr(ddp, 'outer_dp_sharding_strategy', None)}"
+        text += f", HSDP: {instances} optimizer instances, outer {outer}"
     return text
+
+
+def _hsdp(opt):
+    """(num_distributed_optimizer_instances, outer_dp_sharding_strategy): HSDP where the first is over 1."""
+    ddp = getattr(opt, "ddp_config", None)
+    return (getattr(ddp, "num_distributed_optimizer_instances", 1) or 1,
+            getattr(ddp, "outer_dp_sharding_strategy", None))
 
 
 def _buffers(pgb):
@@ -452,11 +458,10 @@ HSDP_RUN_ON_GPU = "optim"
 
 def unverified(opt) -> Optional[str]:
     """What to say once per rank where this run's HSDP has not run on a GPU under the streamed step, else None."""
-    ddp = getattr(opt, "ddp_config", None)
-    if (getattr(ddp, "num_distributed_optimizer_instances", 1) or 1) <= 1:
+    instances, outer = _hsdp(opt)
+    if instances <= 1:
         return None
-    outer = getattr(ddp, "outer_dp_sharding_strategy", None)
-    fp8 = bool(getattr(ddp, "fp8_param_gather", False))
+    fp8 = bool(getattr(getattr(opt, "ddp_config", None), "fp8_param_gather", False))
     what = []
     if outer != HSDP_RUN_ON_GPU:
         what.append(f"cfg.ddp.outer_dp_sharding_strategy={outer!r} (checked on CPU on Megatron-FSDP's own buffers, "
