@@ -125,7 +125,7 @@ def test_a_staged_master_goes_back_to_the_device_it_was_made_on():
             return Master(device)
 
     t = Master("cpu")
-    construction._stage(t, "cuda:3")
+    construction.stage(t, "cuda:3")
     construction.restore(t)
     assert t.data.device == "cuda:3" and not construction.is_staged(t)
     moved = t.data

@@ -119,7 +119,10 @@ def test_the_target_table():
         ("_build_model_and_main_param_groups", "megatron.core.optimizer.distrib_optimizer", "build"),
         ("__init__", "megatron.core.optimizer.optimizer", "build-whole"),
         ("DistributedOptimizer.__init__", "megatron.core.optimizer.distrib_optimizer", "adopt"),
+        ("ParamAndGradBuffer.__init__", "megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer",
+         "fsdp-build"),
     ]
+    assert [t.name for t in targets.TARGETS if t.optional] == ["ParamAndGradBuffer.__init__"]
     assert targets.target("__init__").qualname == (
         "megatron.core.optimizer.optimizer.Float16OptimizerWithFloat16Params.__init__")
     assert targets.target("_build_model_and_main_param_groups").qualname == (

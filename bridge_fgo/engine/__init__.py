@@ -4,6 +4,8 @@
     tensors.py     which tensors move, and where each one is bound
     layout.py      the streamed step's plan: bundles, chunks, the window, what stays resident
     construction.py  Megatron-Core's fp32 masters made a batch at a time and moved to the host
+    fsdp.py        Megatron-FSDP's part: its flat masters, DTensor states and own copy through the step
+    fsdp_construction.py  Megatron-FSDP's main-weight buffers (the masters) made in host memory
     adoption.py    those masters guarded until a session adopts them; back on the GPU otherwise
     copies.py      host <-> GPU copies ordered by events (deferred on CPU), the GPU window
     budget.py      gpu_budget_gib: what may stay on the GPU, judged after the first step

@@ -18,7 +18,7 @@ import weakref
 from typing import Iterable, Optional
 
 from ..log import logger, rank_prefix
-from . import construction, tensors
+from . import construction, fsdp, fsdp_construction, tensors
 from .streamed.readers import READERS, STEPS
 
 # what reads or writes the masters besides the readers: the copies between masters and model parameters
@@ -29,6 +29,8 @@ _MARK = "_bridge_fgo_awaiting_session"  # on each shadowing function, to recogni
 
 
 def _staged(opt) -> list:
+    if fsdp.serves(opt):  # made on the host with Megatron-FSDP's buffers, before the optimizer (fsdp_construction.py)
+        return fsdp_construction.staged(opt)
     return [m for m in tensors.masters(opt) if construction.is_staged(m)]
 
 
@@ -37,7 +39,7 @@ def await_session(opt, built_s: Optional[float] = None) -> bool:
     time, said beside the masters' own line (issue 43: what setup takes besides the masters)."""
     if not _staged(opt):
         return False
-    if built_s is not None:
+    if built_s is not None and not fsdp.serves(opt):  # (Megatron-FSDP's masters were made with the model)
         logger.info("%sMegatron-Core's %s built in %.2f s, its fp32 masters' construction among it", rank_prefix(),
                     type(opt).__name__, built_s)
     ref = weakref.ref(opt)  # the optimizer holds its guards: they hold it weakly
@@ -64,6 +66,8 @@ def _drop(opt) -> None:
 def _unadopted(ref, name, *args, **kwargs):
     opt = ref()
     masters = _staged(opt)
+    if fsdp.serves(opt):  # Megatron-FSDP's buffers made again on the GPU, the masters views of them
+        fsdp_construction.restore(opt)
     for m in masters:
         construction.restore(m)
     _drop(opt)

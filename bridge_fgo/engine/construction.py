@@ -28,6 +28,7 @@ tensor.
 from __future__ import annotations
 
 import logging
+import math
 import time
 import weakref
 from typing import Dict, List, Optional, Tuple
@@ -41,7 +42,8 @@ from ..log import once, rank_prefix
 _staged: Dict[int, Tuple["weakref.ref", object]] = {}
 
 
-def _stage(t, device) -> None:
+def stage(t, device) -> None:
+    """Mark `t` a master made on the host for the streamed step, `device` the one it was meant for."""
     key = id(t)
     ref = weakref.ref(t, lambda ref, key=key: _staged.get(key, (None,))[0] is ref and _staged.pop(key, None))
     _staged[key] = (ref, device)
@@ -107,19 +109,30 @@ class Landing:
 
     def place(self, m, built: Built):
         """A host tensor holding m's values once finish() returned (None: no room, or the block refused)."""
+        host = self.slot(tuple(m.shape), m.dtype, built)
+        if host is not None:
+            host.copy_(m, non_blocking=True)
+        return host
+
+    def slot(self, shape, dtype, built: Built):
+        """A view of the block for a tensor of `shape` and `dtype`, at an aligned offset (None: no room, or the
+        block refused)."""
         if self.refused:
             return None
         if self.block is None and not self._make(built):
             return None
-        nbytes = m.numel() * m.element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         at = -(-self.used // ALIGN) * ALIGN
         if at + nbytes > self.block.nbytes:
             return None
         self.used = at + nbytes
-        host = self.block.tensor[at:at + nbytes].view(m.dtype).view(m.shape)
-        host.copy_(m, non_blocking=True)
         built.landed += nbytes
-        return host
+        return self.block.tensor[at:at + nbytes].view(dtype).view(shape)
+
+    @property
+    def storage(self) -> Optional[int]:
+        """The block's storage (its data pointer), while it is made."""
+        return self.block.tensor.untyped_storage().data_ptr() if self.block is not None else None
 
     def _make(self, built: Built) -> bool:
         t0 = time.perf_counter()
@@ -198,7 +211,7 @@ def _to_host(masters, built: Built, batch_bytes: int, landing: Optional[Landing]
         m.data = host  # in the landing block: the copy is queued, and the GPU memory reused only after it
     for m, device in zip(masters, devices):
         if m is not None:
-            _stage(m, device)
+            stage(m, device)
             built.masters += 1
             built.bytes += m.numel() * m.element_size()
     built.batches += 1

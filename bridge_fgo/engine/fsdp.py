@@ -78,6 +78,19 @@ def _hsdp(opt):
             getattr(ddp, "outer_dp_sharding_strategy", None))
 
 
+# Megatron-FSDP's main-weight buffers whose data fsdp_construction.py made in host memory
+_on_host: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def made_on_host(buf) -> bool:
+    """Whether main-weight buffer `buf`'s data is the host tensor fsdp_construction.py made for it."""
+    return buf in _on_host and buf.data.device.type == "cpu"
+
+
+def mark_on_host(buf) -> None:
+    _on_host.add(buf)
+
+
 def _buffers(pgb):
     for g in getattr(pgb, "parameter_groups", None) or ():
         yield g
@@ -86,7 +99,7 @@ def _buffers(pgb):
 class Flat:
     """One parameter group's main-weight buffer and the masters that are views of it."""
 
-    def __init__(self, group, mbuf, items, empties=()):
+    def __init__(self, group, mbuf, items, empties=(), device=None):
         self._group = weakref.ref(group)
         self.mbuf = mbuf
         self.items = items  # [(item_id, optimizer parameter, element offset in the flat, local shape)]
@@ -94,7 +107,10 @@ class Flat:
         # rebound to an empty tensor of their own when it is given up, so they do not keep it alive
         self.empties = list(empties)
         data = mbuf.data
-        self.dtype, self.numel, self.device = data.dtype, data.numel(), data.device
+        # the device Megatron-FSDP meant it for: the buffer's own, unless it was made on the host
+        # (fsdp_construction.py)
+        self.dtype, self.numel, self.device = data.dtype, data.numel(), device if device is not None else data.device
+        self.on_host = made_on_host(mbuf)
         self.retired = False
 
     @property
@@ -106,6 +122,8 @@ class Layout:
     """The Megatron-FSDP layout of one DistributedOptimizer: its flats, and its parameters by item."""
 
     def __init__(self, opt):
+        import torch
+
         self._opt = weakref.ref(opt)
         self.flats: List[Flat] = []
         self.by_orig: Dict[int, object] = {}  # id(Megatron-FSDP's original parameter) -> optimizer parameter
@@ -151,7 +169,8 @@ class Layout:
                             "(an unknown Megatron-FSDP layout). Nothing was moved. Fix: drop offload, or report "
                             "the megatron-core version")
                     items.append((item_id, p, (lt.data_ptr() - base) // lt.element_size(), tuple(lt.shape)))
-                self.flats.append(Flat(g, mbuf, items, empties))
+                device = getattr(pgb, "device", None)
+                self.flats.append(Flat(g, mbuf, items, empties, torch.device(device) if device is not None else None))
 
     @property
     def opt(self):
@@ -183,7 +202,8 @@ class Layout:
     # -- the flats ----------------------------------------------------------------------------------
     def retire(self) -> int:
         """Each flat none of whose masters is bound to it any more: `data` on the meta device, its storage
-        left to go with its last reference. Returns the bytes given up."""
+        left to go with its last reference. Returns the GPU bytes given up (a flat made on the host shares one
+        landing block with the others of its construction: it goes with the last of them)."""
         import torch
 
         freed = 0
@@ -195,9 +215,11 @@ class Layout:
                 continue
             old = f.mbuf.data
             for p in f.empties:
-                local(p).data = torch.empty(local(p).shape, dtype=old.dtype, device=old.device)
+                local(p).data = torch.empty(local(p).shape, dtype=old.dtype, device=f.device)
             f.mbuf.data = torch.empty(old.shape, dtype=old.dtype, device="meta")
             f.retired = True
+            if f.on_host:
+                continue
             # uses of the storage beside `old` and the storage object this call makes
             users = torch._C._storage_Use_Count(old.untyped_storage()._cdata) - 2
             nbytes = old.untyped_storage().nbytes()

@@ -29,7 +29,8 @@ from .. import peaks
 from . import agree, decide, saves, targets
 from ..errors import BridgeFGOConfigError
 from ..log import logger, rank_prefix
-from ..options import Options, first_chunk_mb
+from ..options import Options
+from .building import Building
 from .session import Registry, Session
 from .targets import Layout, argument
 
@@ -118,12 +119,14 @@ class CallSites:
         # while train_step runs: (its model, whether Bridge will call clip_qk(model) after the step)
         self._step: contextvars.ContextVar = contextvars.ContextVar("bridge_fgo_step", default=None)
         self.originals: Dict[str, object] = {}  # target name -> the function the patch wraps (patcher)
+        self.building = Building(self)
 
     def site(self, target: targets.Target):
         """The wrapt wrapper for a target, chosen by its role."""
         method = {targets.LOOP: self.train, targets.STEP: self.train_step,
-                  targets.RELEASE_SITE: self.copy_helper, targets.BUILD: self.build_masters,
-                  targets.BUILD_WHOLE: self.build_whole_masters, targets.ADOPT: self.await_session,
+                  targets.RELEASE_SITE: self.copy_helper, targets.BUILD: self.building.masters,
+                  targets.BUILD_WHOLE: self.building.whole_masters, targets.ADOPT: self.building.await_session,
+                  targets.FSDP_BUILD: self.building.fsdp_masters,
                   targets.LOAD: self.load_checkpoint, targets.PARAMS_NORM: self.params_norm,
                   targets.QK_CLIP: self.clip_qk, targets.SAVE: self.save_checkpoint}[target.role]
         return functools.partial(method, target.name)
@@ -148,11 +151,6 @@ class CallSites:
             ckpt = getattr(cfg, "checkpoint", None)
             loading = bool(getattr(ckpt, "load_optim", True) and not getattr(ckpt, "finetune", False))
         return self._decide(optimizer, cfg, loading)
-
-    @property
-    def _masters_on_host(self) -> bool:
-        """Megatron-Core's fp32 masters are made on the host at construction: the builtin engine's streamed step."""
-        return bool(self.enabled and self.options.offload == "builtin" and self.options.chunk_mb)
 
     @functools.cached_property
     def inert(self) -> bool:
@@ -268,49 +266,6 @@ class CallSites:
         session.offload()
         result = wrapped(*args, **kwargs)
         session.release()
-        return result
-
-    def build_masters(self, name, wrapped, instance, args, kwargs):
-        """Megatron-Core makes the fp32 masters: with the streamed step, a batch at a time, each batch
-        moved to host memory before the next (construction.py)."""
-        if not self._masters_on_host:
-            return wrapped(*args, **kwargs)
-        from ..engine import MIB, construction
-
-        peaks.note("setup before the optimizer's construction (the model, its buffers)")
-        built = construction.Built()
-        result = construction.build_on_host(wrapped, args, kwargs, first_chunk_mb(self.options.chunk_mb) * MIB, built)
-        peaks.note("optimizer construction")
-        if built.masters:
-            logger.info("%sfp32 masters made on the host: %s", rank_prefix(), built.describe())
-        return result
-
-    def build_whole_masters(self, name, wrapped, instance, args, kwargs):
-        """Megatron-Core makes whole fp32 masters (Float16OptimizerWithFloat16Params: Muon's): with the
-        streamed step, each moved to host memory as soon as it is made (construction.py)."""
-        if not self._masters_on_host:
-            return wrapped(*args, **kwargs)
-        from ..engine import construction
-
-        from ..engine import adoption
-
-        built = construction.Built()
-        result = construction.whole_on_host(wrapped, args, kwargs, built)
-        if built.masters:
-            logger.info("%sfp32 masters made on the host: %d whole master(s), %d bytes, one at a time on the GPU (at "
-                        "most %d bytes)", rank_prefix(), built.masters, built.bytes, built.largest_batch)
-        adoption.await_session(instance)
-        return result
-
-    def await_session(self, name, wrapped, instance, args, kwargs):
-        """A DistributedOptimizer built: its masters made on the host (build_masters) wait for a session, guarded
-        (engine/adoption.py), as whole masters do above."""
-        t0 = time.perf_counter()
-        result = wrapped(*args, **kwargs)
-        if self._masters_on_host:
-            from ..engine import adoption
-
-            adoption.await_session(instance, built_s=time.perf_counter() - t0)
         return result
 
     def load_checkpoint(self, name, wrapped, instance, args, kwargs):

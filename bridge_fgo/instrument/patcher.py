@@ -77,7 +77,10 @@ def _apply(p: _Patch, modules) -> None:
     cs = CallSites(p.options, layout)
     # Build every wrapper first, then bind them all: all targets or none.
     built = {}
+    modules = targets.loaded(modules)
     for t in targets.TARGETS:
+        if not layout.found[t.name]:  # an optional target whose module is absent (inspect_layout)
+            continue
         holder = t.holder(modules[t.module])
         original = t.raw(modules[t.module])  # as stored: a classmethod stays one, wrapt binds it
         if isinstance(original, _Target):  # a stale wrapper from an earlier patch: wrap what it wraps
@@ -96,7 +99,8 @@ def _apply(p: _Patch, modules) -> None:
     if p.options.offload != "off":
         # the engine's modules imported now, beside Megatron's, not at their first use inside Bridge's timed setup
         # (about 0.1 s on a 2-core host); none imports more than torch, already loaded with Megatron here
-        from ..engine import adoption, construction, contracts, fsdp, onewindow, streamed  # noqa: F401
+        from ..engine import (adoption, construction, contracts, fsdp, fsdp_construction,  # noqa: F401
+                              onewindow, streamed)
     p.wrappers = {name: (orig, wrapper, holder, attribute) for name, (holder, orig, wrapper, _, attribute) in built.items()}
     p.aliases = sorted(f"{mod.__name__}.{key}" for mod, key, _ in aliases)
     p.outcome = outcome

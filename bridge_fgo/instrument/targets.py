@@ -28,6 +28,7 @@ PARAMS_NORM = "params-norm"  # the parameter norm train() logs: host-bound maste
 QK_CLIP = "qk-clip"  # clip_qk after optimizer.step(): served inside the streamed update
 SAVE = "save"  # a checkpoint save: an asynchronous one is watched for writers holding the host buffer
 ADOPT = "adopt"  # a DistributedOptimizer built: masters made on the host wait for a session, guarded
+FSDP_BUILD = "fsdp-build"  # Megatron-FSDP builds its buffers: its main-weight buffers made on the host
 # Where Bridge (or a fork) would call offload methods if it wired offload itself.
 WIRING_ROLES = (LOOP, STEP)
 
@@ -42,6 +43,9 @@ class Target:
     calls: Tuple[str, ...] = ()  # names its code must refer to: how the loop reaches the next site
     owner: Optional[str] = None  # a class of `module` holding the target (a method), or None: module level
     attr: Optional[str] = None  # the attribute bound in the holder, where it is not `name` (two classes' __init__)
+    # a module that may be absent (Megatron-Core imports Megatron-FSDP's inside a try): then nothing to serve, no
+    # problem, and the patch does not wait for it; present, the target is checked like any other
+    optional: bool = False
 
     @property
     def attribute(self) -> str:
@@ -72,6 +76,8 @@ TRAIN_MODULE = "megatron.bridge.training.train"
 CHECKPOINT_MODULE = "megatron.bridge.training.checkpointing"
 DIST_OPTIMIZER_MODULE = "megatron.core.optimizer.distrib_optimizer"  # imported with Bridge's train module
 OPTIMIZER_MODULE = "megatron.core.optimizer.optimizer"  # imported by the one above
+# imported with megatron.core.distributed (by the two above), inside a try: absent where it cannot be imported
+FSDP_BUFFER_MODULE = "megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer"
 TARGETS: Tuple[Target, ...] = (
     Target("train", TRAIN_MODULE, LOOP, "the training loop: states resident when it ends, the run's summary",
            params=("model", "optimizer", "global_state"), calls=("train_step",)),
@@ -103,8 +109,22 @@ TARGETS: Tuple[Target, ...] = (
            "Megatron-Core's DistributedOptimizer built: masters made on the host go back to the GPU before anything "
            "reads them unless a session adopts them first", params=("optimizer", "config"),
            calls=("_build_model_and_main_param_groups",), owner="DistributedOptimizer", attr="__init__"),
+    Target("ParamAndGradBuffer.__init__", FSDP_BUFFER_MODULE, FSDP_BUILD,
+           "Megatron-FSDP builds its buffers: each main-weight buffer (the fp32 masters) made in host memory, one "
+           "group's on the GPU at most", params=("ddp_config", "module"),
+           calls=("_init_each_parameter_group_buffers", "_init_distributed_params",
+                  "_init_optimizer_named_parameters"),
+           owner="ParamAndGradBuffer", attr="__init__", optional=True),
 )
-MODULES: Tuple[str, ...] = tuple(dict.fromkeys(t.module for t in TARGETS))
+# the modules the patch waits for (all imported: it applies), and those it takes where they were imported
+MODULES: Tuple[str, ...] = tuple(dict.fromkeys(t.module for t in TARGETS if not t.optional))
+OPTIONAL_MODULES: Tuple[str, ...] = tuple(dict.fromkeys(t.module for t in TARGETS if t.optional
+                                                        and t.module not in MODULES))
+
+
+def loaded(modules: Mapping[str, types.ModuleType]) -> Dict[str, Optional[types.ModuleType]]:
+    """`modules` (each in MODULES) with each of OPTIONAL_MODULES as imported by now, or None."""
+    return {**modules, **{name: sys.modules.get(name) for name in OPTIONAL_MODULES if name not in modules}}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,9 +186,11 @@ def _param_index(func, needed) -> Tuple[Dict[str, int], List[str]]:
 def inspect_layout(modules: Mapping[str, types.ModuleType]) -> Layout:
     """Check every target the patch needs, so it can patch all of them or none.
     `modules`: each module in MODULES by name."""
-    funcs = {t.name: t.func(modules[t.module]) for t in TARGETS}
+    modules = loaded(modules)
+    funcs = {t.name: t.func(modules[t.module]) if modules.get(t.module) is not None else None for t in TARGETS}
     found = {name: callable(f) for name, f in funcs.items()}
-    problems = [Problem(f"{t.qualname} is missing", t.name) for t in TARGETS if not found[t.name]]
+    problems = [Problem(f"{t.qualname} is missing", t.name) for t in TARGETS
+                if not found[t.name] and not (t.optional and modules.get(t.module) is None)]
     index = {}
     for t in TARGETS:
         if not found[t.name]:

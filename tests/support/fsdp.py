@@ -192,7 +192,7 @@ def make_optimizer(events, seed: int = 0, optimizer: str = "torch", strategy: st
     return opt
 
 
-def real_buffer(module, strategy: str = "optim_grads_params", outer: Optional[str] = None):
+def real_buffer(module, strategy: str = "optim_grads_params", outer: Optional[str] = None, on_host=None):
     """Megatron-FSDP's own ParamAndGradBuffer over `module`, constructed on CPU in a one-rank gloo world with a
     (dp_shard, tp) mesh of one each: its parameter groups, flat buffers, main-weight DTensors and optimizer
     parameters as its constructor makes them. The one stand-in is torch.Tensor.cuda, an identity during the
@@ -203,7 +203,10 @@ def real_buffer(module, strategy: str = "optim_grads_params", outer: Optional[st
     outer dimension, and Megatron-FSDP's outer_dp_sharding_strategy `outer` ("optim": the masters sharded over
     every data-parallel rank through its helper buffers, as Megatron-Bridge's Nemotron recipes set it;
     "no_shard": replicated over the outer dimension), as Megatron-Core's adapter builds it for
-    num_distributed_optimizer_instances > 1."""
+    num_distributed_optimizer_instances > 1.
+
+    `on_host` (a construction.Built): the constructor run through fsdp_construction.build_on_host, its main-weight
+    buffers made in host memory (the tests stand in the CPU for the GPU there: fsdp_construction._moves)."""
     import inspect
 
     import torch.distributed as dist
@@ -228,16 +231,27 @@ def real_buffer(module, strategy: str = "optim_grads_params", outer: Optional[st
     policy = BucketingPolicy(suggested_bucket_size=None, fsdp_unit_modules=[], data_parallel_sharding_strategy=strategy)
     real_cuda = torch.Tensor.cuda
     torch.Tensor.cuda = lambda self, *a, **k: self
+    args = (config, module)
+    kwargs = dict(bucketing_policy=policy, dist_index=index, device=torch.device("cpu"),
+                  mixed_precision_policy=megatron_fsdp.MixedPrecisionPolicy(main_params_dtype=torch.float32))
     try:
-        return ParamAndGradBuffer(config, module, bucketing_policy=policy, dist_index=index, device=torch.device("cpu"),
-                                  mixed_precision_policy=megatron_fsdp.MixedPrecisionPolicy(
-                                      main_params_dtype=torch.float32))
+        if on_host is None:
+            return ParamAndGradBuffer(*args, **kwargs)
+        import sys
+
+        from bridge_fgo.engine import fsdp_construction
+
+        pgb = ParamAndGradBuffer.__new__(ParamAndGradBuffer)
+        fsdp_construction.build_on_host(sys.modules[ParamAndGradBuffer.__module__], pgb.__init__, pgb, args, kwargs,
+                                        on_host)
+        return pgb
     finally:
         torch.Tensor.cuda = real_cuda
 
 
 def make_optimizer_on_real_buffer(events, seed: int = 0, optimizer: str = "torch", groups: int = 2, foreach=None,
-                                  strategy: str = "optim_grads_params", outer: Optional[str] = None, **te_kw):
+                                  strategy: str = "optim_grads_params", outer: Optional[str] = None, on_host=None,
+                                  **te_kw):
     """make_optimizer's optimizer over Megatron-FSDP's real ParamAndGradBuffer (real_buffer) of a two-layer bf16
     module; None where real_buffer cannot make one."""
     gen = torch.Generator().manual_seed(seed)
@@ -245,7 +259,7 @@ def make_optimizer_on_real_buffer(events, seed: int = 0, optimizer: str = "torch
     with torch.no_grad():
         for p in module.parameters():
             p.copy_(torch.randn(p.shape, generator=gen))
-    pgb = real_buffer(module, strategy, outer)
+    pgb = real_buffer(module, strategy, outer, on_host)
     if pgb is None:
         return None
     chunk = Chunk(pgb, events, Module(pgb, {name: orig for orig, name in pgb.param_to_name.items()}))
