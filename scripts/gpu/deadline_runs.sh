@@ -1,8 +1,10 @@
 # Sourced by the GPU benchmark scripts (bench_node.sh, bench_fp8.sh): runs that resume across device calls.
-# Needs R (results folder), DEADLINE_S and MIN_S set; `start` is the sourcing script's start.
+# Needs R (results folder), DEADLINE_S and MIN_S set; `start` is the sourcing script's start, or the call's
+# where DEADLINE_FROM holds it (`DEADLINE_FROM=$(date +%s)` first in the device command: an install before
+# the script then counts too, and the kit's tarball is written before the call's limit).
 # run NAME CMD...: runs CMD with `--out $R/NAME.json` added, its output in $R/NAME.log, unless that JSON
 # exists (an earlier call on the same machine made it) or fewer than MIN_S seconds are left.
-start=$SECONDS
+start=$((SECONDS - (${DEADLINE_FROM:+$(date +%s) - DEADLINE_FROM} + 0)))
 PATCH="python3 -m bridge_fgo.cli.launcher --offload builtin"
 left() { echo $((DEADLINE_S - (SECONDS - start))); }
 run() {
