@@ -74,6 +74,33 @@ def test_the_main_weight_buffers_are_made_in_one_host_block_and_the_masters_are_
     assert fsdp_construction.staged(opt) == [local(p) for _, p in pgb.optimizer_named_parameters]
 
 
+def test_each_item_is_widened_where_it_is_before_it_crosses_to_the_host(gloo, cpu_is_the_device, monkeypatch):
+    """torch converts the dtype of a copy between devices on the CPU (one thread under torchrun): each bf16 weight is
+    widened to the main-weight buffer's fp32 first, where it is, one item at a time."""
+    mod = _module()
+    seen = []
+    real = vars(mod.DataParallelBuffer)["set_item"]
+
+    def set_item(buf, item_id, item_data, *a, **k):
+        seen.append((buf.dtype, item_data.dtype))
+        return real(buf, item_id, item_data, *a, **k)
+
+    monkeypatch.setattr(mod.DataParallelBuffer, "set_item", set_item)
+    ref = fsdp.make_optimizer_on_real_buffer(harness.Recorder())
+    if ref is None:
+        pytest.skip("this megatron-core's ParamAndGradBuffer takes no mixed_precision_policy (0.16.1)")
+    assert (torch.float32, torch.bfloat16) in seen  # Megatron-FSDP's own: bf16 weights into its fp32 buffer
+    seen.clear()
+    opt = fsdp.make_optimizer_on_real_buffer(harness.Recorder(), on_host=construction.Built())
+    assert vars(mod.DataParallelBuffer)["set_item"] is set_item  # put back as the constructor found it
+    mains = [(b, d) for b, d in seen if b == torch.float32]
+    assert mains and all(d == torch.float32 for _, d in mains)  # the main-weight buffers' items, widened
+    assert any(d == torch.bfloat16 for b, d in seen if b == torch.bfloat16)  # the model weights' untouched
+    for (_, p), (_, q) in zip(opt.model_chunks[0].param_and_grad_buffer.optimizer_named_parameters,
+                              ref.model_chunks[0].param_and_grad_buffer.optimizer_named_parameters):
+        assert torch.equal(local(p), local(q))
+
+
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_the_streamed_step_over_host_made_masters_is_bit_identical(gloo, cpu_is_the_device, kind):
     ref, opt, _ = _pair(kind)

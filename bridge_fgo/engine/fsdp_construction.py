@@ -11,7 +11,8 @@ build_on_host() runs that constructor with, for its duration only:
 - each group's main-weight buffer given a host tensor instead, a view of one landing block
   (construction.Landing: counted by the host-memory check first, pinned while it is filled). The GPU tensor
   Megatron-FSDP made for it is dropped at once: one group's buffer on the GPU at most, never all. `set_item` then
-  copies the weights across devices (bf16 to fp32, exact);
+  copies the weights across devices, each item first widened to fp32 where it is (on the GPU, exact): torch
+  converts the dtype of a copy between devices on the CPU, one thread under torchrun;
 - `make_fsdp_dtensor` given a GPU copy of each host view, so its broadcast and checks run as they do without
   offload. What it returns is copied back (the broadcast may change it), and its local tensor is left on the GPU
   without storage until the constructor returns: nn.Parameter(DTensor) detaches it, which torch refuses for a GPU
@@ -40,6 +41,7 @@ from .fsdp import is_dtensor, local
 # the names the constructor reaches through the module and the buffer class (checked before each use)
 MAKE = "make_fsdp_dtensor"
 INIT_DATA = "init_data"
+SET_ITEM = "set_item"
 
 # Megatron-FSDP's ParamAndGradBuffer -> what build_on_host made on the host for it
 _records: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -65,8 +67,9 @@ def missing(module) -> List[str]:
     if not callable(vars(module).get(MAKE)):
         out.append(f"{module.__name__}.{MAKE}")
     buffer_cls = getattr(module, "DataParallelBuffer", None)
-    if not callable(vars(buffer_cls).get(INIT_DATA) if buffer_cls is not None else None):
-        out.append(f"{module.__name__}.DataParallelBuffer.{INIT_DATA}")
+    for name in (INIT_DATA, SET_ITEM):
+        if not callable(vars(buffer_cls).get(name) if buffer_cls is not None else None):
+            out.append(f"{module.__name__}.DataParallelBuffer.{name}")
     return out
 
 
@@ -83,13 +86,19 @@ def build_on_host(module, wrapped, pgb, args, kwargs, built: Optional[Built] = N
         return wrapped(*args, **kwargs)
     rec = _Record()
     buffer_cls = module.DataParallelBuffer
-    init_data, make = vars(buffer_cls)[INIT_DATA], vars(module)[MAKE]
+    init_data, set_item, make = vars(buffer_cls)[INIT_DATA], vars(buffer_cls)[SET_ITEM], vars(module)[MAKE]
     landing: List[Optional[Landing]] = [None]
     t0 = time.perf_counter()
 
     def init_data_on_host(buf, data, *a, **k):
         host = _host_for(pgb, rec, landing, buf, data, built)
         return init_data(buf, data if host is None else host, *a, **k)
+
+    def set_item_widened(buf, item_id, item_data, *a, **k):
+        if (id(buf) in rec.buffers and _moves(item_data) and type(item_data).__name__ in ("Tensor", "Parameter")
+                and item_data.dtype != buf.data.dtype):
+            item_data = item_data.detach().to(buf.data.dtype)  # one item at a time, where it is
+        return set_item(buf, item_id, item_data, *a, **k)
 
     def make_from_host(*a, **k):
         lt = k["local_tensor"] if "local_tensor" in k else (a[0] if a else None)
@@ -109,11 +118,13 @@ def build_on_host(module, wrapped, pgb, args, kwargs, built: Optional[Built] = N
         return out
 
     setattr(buffer_cls, INIT_DATA, init_data_on_host)
+    setattr(buffer_cls, SET_ITEM, set_item_widened)
     setattr(module, MAKE, make_from_host)
     try:
         result = wrapped(*args, **kwargs)
     finally:
         setattr(buffer_cls, INIT_DATA, init_data)
+        setattr(buffer_cls, SET_ITEM, set_item)
         setattr(module, MAKE, make)
         if landing[0] is not None:
             landing[0].finish(built)
