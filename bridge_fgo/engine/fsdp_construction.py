@@ -202,33 +202,24 @@ def staged(opt) -> List[object]:
             if is_dtensor(p) and is_staged(local(p))]
 
 
-def restore(opt) -> int:
+def restore(opt) -> None:
     """Each main-weight buffer of `opt` made on the host back on the device Megatron-FSDP meant, its masters views of
-    it at their places (no session took them); returns the masters moved."""
-    moved = 0
+    it at their places, unstaged (no session took them)."""
     for pgb in list(_pgbs(opt)):
         rec = _records.pop(pgb)
-        # host buffer's data pointer -> (its end, the buffer made on the device)
-        again = {}
+        dists = getattr(pgb, "dist_main_weight", None) or {}
+        tensors = [t for name, p in pgb.optimizer_named_parameters
+                   for t in {id(x): x for x in (local(p), local(dists.get(name, p)))}.values()]
         for buf in rec.buffers.values():
             host = buf.data
             if host.device.type != "cpu":
                 continue
             on_device = host.to(rec.device, copy=True)
-            again[host.data_ptr()] = (host.data_ptr() + host.numel() * host.element_size(), on_device)
+            start, end = host.data_ptr(), host.data_ptr() + host.numel() * host.element_size()
+            for t in tensors:
+                if t.device.type == "cpu" and t.numel() and start <= t.data_ptr() < end:
+                    at = (t.data_ptr() - start) // t.element_size()
+                    t.data = on_device[at:at + t.numel()].view(t.shape)
             buf.data = on_device
-        dists = getattr(pgb, "dist_main_weight", None) or {}
-        for name, p in pgb.optimizer_named_parameters:
-            lt = local(p)
-            if not is_staged(lt):
-                continue
-            for start, (end, on_device) in again.items():
-                if start <= lt.data_ptr() < end:
-                    at = (lt.data_ptr() - start) // lt.element_size()
-                    view = on_device[at:at + lt.numel()].view(lt.shape)
-                    for t in {id(x): x for x in (lt, local(dists.get(name, p)))}.values():
-                        t.data = view
-                    moved += 1
-                    break
-            unstage(lt)
-    return moved
+        for _, p in pgb.optimizer_named_parameters:
+            unstage(local(p))

@@ -33,7 +33,8 @@ class Building:
 
         peaks.note("setup before the optimizer's construction (the model, its buffers)")
         built = construction.Built()
-        result = construction.build_on_host(wrapped, args, kwargs, first_chunk_mb(self.sites.options.chunk_mb) * MIB, built)
+        chunk_bytes = first_chunk_mb(self.sites.options.chunk_mb) * MIB
+        result = construction.build_on_host(wrapped, args, kwargs, chunk_bytes, built)
         peaks.note("optimizer construction")
         if built.masters:
             logger.info("%sfp32 masters made on the host: %s", rank_prefix(), built.describe())
