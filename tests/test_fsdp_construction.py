@@ -16,6 +16,7 @@ from bridge_fgo.engine.fsdp import local
 from bridge_fgo.engine.streamed import StreamedEngine
 from bridge_fgo.instrument import targets
 from support import fsdp, harness
+from test_fsdp import assert_same
 
 pytest.importorskip("megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer")
 KINDS = {"torch": dict(optimizer="torch"), "te": dict(optimizer="te")}
@@ -113,26 +114,15 @@ def test_the_streamed_step_over_host_made_masters_is_bit_identical(gloo, cpu_is_
         harness.engine_step(ref)
         harness.engine_step(opt, engine)
         assert all(f.retired for f in layout.flats)
-        fsdp_assert_same(fsdp.snapshot(ref), fsdp.snapshot(opt))
+        assert_same(fsdp.snapshot(ref), fsdp.snapshot(opt))
     engine.close()  # unpatch: each buffer made again on the device Megatron-FSDP meant, the masters views of it
     pgb = opt.model_chunks[0].param_and_grad_buffer
     for f in layout.flats:
         assert not f.retired
         for _, p, offset, shape in f.items:
             assert local(p).data_ptr() == f.mbuf.data[offset:].data_ptr()
-    fsdp_assert_same(fsdp.snapshot(ref), fsdp.snapshot(opt))
+    assert_same(fsdp.snapshot(ref), fsdp.snapshot(opt))
     assert pgb.parameter_groups
-
-
-def fsdp_assert_same(a, b):
-    assert a.keys() == b.keys()
-    for k in a:
-        if isinstance(a[k], torch.Tensor):
-            assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
-        elif isinstance(a[k], dict):
-            fsdp_assert_same(a[k], b[k])
-        else:
-            assert a[k] == b[k], k
 
 
 def test_unadopted_the_buffers_go_back_to_the_device_and_the_step_is_megatron_fsdps(gloo, cpu_is_the_device,
@@ -156,7 +146,7 @@ def test_unadopted_the_buffers_go_back_to_the_device_and_the_step_is_megatron_fs
             p = next(q for _, q in pgb.optimizer_named_parameters if q.orig_param is orig)
             if local(p).numel():
                 assert local(p).untyped_storage().data_ptr() == base
-    fsdp_assert_same(fsdp.snapshot(ref), fsdp.snapshot(opt))
+    assert_same(fsdp.snapshot(ref), fsdp.snapshot(opt))
 
 
 def test_refused_by_the_host_memory_check_the_buffers_are_made_on_the_device(gloo, cpu_is_the_device, monkeypatch,
@@ -174,7 +164,7 @@ def test_refused_by_the_host_memory_check_the_buffers_are_made_on_the_device(glo
     pgb = opt.model_chunks[0].param_and_grad_buffer
     for _, p in pgb.optimizer_named_parameters:
         assert not construction.is_staged(local(p))
-    fsdp_assert_same(fsdp.snapshot(ref), fsdp.snapshot(opt))
+    assert_same(fsdp.snapshot(ref), fsdp.snapshot(opt))
 
 
 def test_an_unknown_constructor_is_said_and_runs_as_megatron_fsdps(gloo, cpu_is_the_device, monkeypatch, caplog_fgo):
@@ -202,6 +192,7 @@ def test_the_patch_wraps_megatron_fsdps_constructor(gloo, cpu_is_the_device, cap
             pytest.skip("this megatron-core's ParamAndGradBuffer takes no mixed_precision_policy (0.16.1)")
         assert bool(fsdp_construction.staged(opt)) is made
         assert ("made on the host with Megatron-FSDP's main-weight buffers" in caplog_fgo.text) is made
+        assert ("parameter group(s) of at most" in caplog_fgo.text) is made
     finally:
         bridge_fgo.unpatch()
     assert vars(ParamAndGradBuffer)["__init__"] is original

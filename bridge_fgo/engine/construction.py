@@ -71,7 +71,8 @@ def restore(t) -> None:
 class Built:
     """What one construction did, for the per-rank line."""
 
-    def __init__(self):
+    def __init__(self, units: str = "batch(es)"):
+        self.units = units  # what is on the GPU at most at a time, for the line
         self.masters = 0
         self.bytes = 0
         self.batches = 0
@@ -85,7 +86,7 @@ class Built:
     def describe(self) -> str:
         how = (f"{self.landed} bytes copied into {self.landing} (pinning {self.pin_s:.2f} s, the last copies waited "
                f"for {self.copy_s:.2f} s)" if self.landing else "each copied into pageable memory of its own")
-        return (f"{self.masters} master(s), {self.bytes} bytes, in {self.batches} batch(es) of at most "
+        return (f"{self.masters} master(s), {self.bytes} bytes, in {self.batches} {self.units} of at most "
                 f"{self.largest_batch} bytes on the GPU, in {self.total_s:.2f} s; {how}")
 
 

@@ -63,7 +63,7 @@ class Building:
         from ..engine import construction, fsdp_construction
 
         peaks.note("setup before Megatron-FSDP's buffers (the model)")
-        built = construction.Built()
+        built = construction.Built("parameter group(s)")
         module = sys.modules[targets.target(name).module]
         result = fsdp_construction.build_on_host(module, wrapped, instance, args, kwargs, built)
         peaks.note("Megatron-FSDP's buffers")
