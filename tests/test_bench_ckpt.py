@@ -6,6 +6,7 @@ import importlib
 import json
 import os
 import subprocess
+import sys
 import types
 
 import pytest
@@ -164,3 +165,22 @@ def test_the_gpu_script_parses_and_names_its_groups():
     for group in summary.GROUPS:
         assert f"{group})" in text
     assert "BENCH_SYNC_AT=8" in text and "ckpt_summary.py --compare" in text and "DEADLINE_S" in text
+
+
+def test_each_run_leaves_a_tarball_that_comes_back_if_the_call_is_cut(tmp_path):
+    """deadline_runs.sh: after each run, what is done so far is tarred into $OUT (a call its limit ends before
+    run_kit.sh tars the logs still returns it; run_kit.sh removes it once its own holds everything)."""
+    import tarfile
+
+    out, runs = tmp_path / "out", tmp_path / "i43"
+    out.mkdir()
+    runs.mkdir()
+    script = os.path.join(ROOT, "scripts", "gpu", "deadline_runs.sh")
+    code = "import sys; open(sys.argv[-1], 'w').write('{}')"
+    subprocess.run(["bash", "-c", f'set -u; R={runs}; OUT={out}; DEADLINE_S=100; MIN_S=5; source {script}; '
+                    f'run first {sys.executable} -c "{code}"; run second {sys.executable} -c "{code}"'],
+                   check=True, capture_output=True)
+    with tarfile.open(out / "partial-i43.tgz") as tar:
+        names = set(tar.getnames())
+    assert {"i43/first.json", "i43/first.log", "i43/second.json", "i43/second.log"} <= names
+    assert [p.name for p in out.iterdir()] == ["partial-i43.tgz"]

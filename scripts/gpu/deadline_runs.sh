@@ -1,4 +1,4 @@
-# Sourced by the GPU benchmark scripts (bench_node.sh, bench_fp8.sh): runs that resume across device calls.
+# Sourced by the GPU benchmark scripts (bench_node.sh, bench_fp8.sh, ...): runs that resume across device calls.
 # Needs R (results folder), DEADLINE_S and MIN_S set; `start` is the sourcing script's start, or the call's
 # where DEADLINE_FROM holds it (`DEADLINE_FROM=$(date +%s)` first in the device command: an install before
 # the script then counts too, and the kit's tarball is written before the call's limit).
@@ -14,4 +14,7 @@ run() {
   local t0=$SECONDS
   timeout $(($(left) - 10)) "$@" --out $R/$name.json > $R/$name.log 2>&1
   echo "RUN $name rc=$? $((SECONDS - t0)) s"
+  # what is done so far comes back even if the call's limit ends it before run_kit.sh tars the whole (which
+  # removes this one)
+  [[ -z "${OUT:-}" ]] || tar czf "$OUT/partial-$(basename "$R").tgz" -C "$(dirname "$R")" "$(basename "$R")"
 }

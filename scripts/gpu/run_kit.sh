@@ -32,6 +32,7 @@ rc=0
 if [[ -n "${OUT:-}" ]]; then
   tgz=bench-logs.tgz; [[ "$logs" == /tmp/bench ]] || tgz="bench-logs-$(basename "$logs").tgz"
   tar czf "$OUT/$tgz" -C "$(dirname "$logs")" "$(basename "$logs")"
+  rm -f "$OUT"/partial-*.tgz  # deadline_runs.sh's tarball after each run: this one holds it all
   # each summary.json beside it too, while $OUT holds fewer than 8 files (what comes back)
   find "$logs" -name summary.json | sort | while read -r f; do
     [[ $(find "$OUT" -type f | wc -l) -lt 8 ]] || break
