@@ -168,6 +168,8 @@ def test_refused_by_the_host_memory_check_the_buffers_are_made_on_the_device(glo
 
 
 def test_an_unknown_constructor_is_said_and_runs_as_megatron_fsdps(gloo, cpu_is_the_device, monkeypatch, caplog_fgo):
+    if fsdp.make_optimizer_on_real_buffer(harness.Recorder()) is None:
+        pytest.skip("this megatron-core's ParamAndGradBuffer takes no mixed_precision_policy (0.16.1)")
     mod = _module()
     monkeypatch.delattr(mod, "make_fsdp_dtensor")
     assert fsdp_construction.missing(mod) == [f"{mod.__name__}.make_fsdp_dtensor"]
