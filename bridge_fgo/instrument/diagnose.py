@@ -30,7 +30,7 @@ def _target_notes(layout: targets.Layout) -> Dict[str, str]:
     notes = {}
     for t in targets.TARGETS:
         own = [str(p) for p in layout.problems if p.target == t.name]
-        if not layout.found[t.name] and t.optional and not any(p.target == t.name for p in layout.problems):
+        if not layout.found[t.name] and t.optional and not own:
             notes[t.name] = f"{t.module} is not imported (it could not be): nothing to serve there"
         elif not layout.found[t.name]:
             notes[t.name] = f"not in {t.module}"
