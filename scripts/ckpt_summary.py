@@ -5,7 +5,7 @@
   python3 scripts/ckpt_summary.py --compare OUT.json BASE_CKPT BUILTIN_CKPT ITER...   # GROUP_compare.json
 
 Each run is RESULTS_DIR/GROUP_MODE_rN.json (scripts/bench_offload.py run's output; a data-parallel run's
-rank 1 beside it as .rank1.json), GROUP one of one-dp, one-full, dp2-dp, dp2-full, MODE base or builtin;
+rank 1 beside it as .rank1.json), GROUP one of GROUPS below, MODE base or builtin;
 GROUP_compare.json holds the checkpoint comparison. Per group and mode, over the runs: medians and spread
 (min-max) of model-and-optimizer setup, the pinning within it (builtin), the load, the first iteration after
 it, the steady step, the first asynchronous save's stall, the next one's, the synchronous save, the host's
@@ -24,7 +24,7 @@ import re
 import statistics
 
 TARGET = 1.1
-GROUPS = ("one-dp", "one-full", "dp2-dp", "dp2-full")
+GROUPS = ("one-dp", "one-full", "one-dp-1t", "one-fsdp", "dp2-dp", "dp2-full", "dp2-fsdp")
 RUN = re.compile(r"^(?P<group>[a-z0-9-]+)_(?P<mode>base|builtin)_r(?P<rep>\d+)\.json$")
 
 

@@ -393,7 +393,6 @@ REFUSED = [
     (dict(chunk_mb=0), {}, "offload='builtin' with chunk_mb > 0"),
     ({}, {"logger.log_params_norm": True}, "cfg.logger.log_params_norm=True with Megatron-FSDP"),
     ({}, {"model.qk_clip": True}, "cfg.model.qk_clip=True with Megatron-FSDP"),
-    ({}, {"checkpoint": "async"}, "cfg.checkpoint.async_save=True with Megatron-FSDP"),
     ({}, {"strategy": "no_shard"}, "data_parallel_sharding_strategy='no_shard'"),
     ({}, {"precision_aware": True}, "use_precision_aware_optimizer=True with Megatron-FSDP"),
 ]
@@ -411,9 +410,6 @@ def test_what_the_streamed_step_cannot_serve_is_refused_before_the_first_step(gl
         rig.cfg.logger = types.SimpleNamespace(log_params_norm=True)
     if change.get("model.qk_clip"):
         rig.cfg.model.qk_clip = True
-    if change.get("checkpoint"):
-        rig.cfg.checkpoint = types.SimpleNamespace(save="/tmp/x", save_optim=True, async_save=True,
-                                                   ckpt_format="fsdp_dtensor", load=None)
     bridge_fgo.patch(offload="builtin", **options)
     before = fsdp.snapshot(rig.dist_optimizer)
     with pytest.raises(BridgeFGOConfigError) as err:
@@ -423,11 +419,12 @@ def test_what_the_streamed_step_cannot_serve_is_refused_before_the_first_step(gl
     assert_same(before, fsdp.snapshot(rig.dist_optimizer))
 
 
-def test_fsdp_dtensor_checkpoints_are_not_refused(gloo):
+@pytest.mark.parametrize("async_save", [False, True])
+def test_fsdp_dtensor_checkpoints_are_not_refused(gloo, async_save):
     import types
 
     rig = fsdp_rig()
-    rig.cfg.checkpoint = types.SimpleNamespace(save="/tmp/x", save_optim=True, async_save=False,
+    rig.cfg.checkpoint = types.SimpleNamespace(save="/tmp/x", save_optim=True, async_save=async_save,
                                                ckpt_format="fsdp_dtensor", load=None)
     bridge_fgo.patch(offload="builtin", chunk_mb=1)
     harness.run_steps(rig, steps=1)
@@ -598,6 +595,145 @@ def test_fsdp_dtensor_save_and_load_read_and_write_the_host_views(gloo, kind, tm
         assert_same(fsdp.snapshot(ref), fsdp.snapshot(new))
     engine.close()
     engine2.close()
+
+
+@pytest.mark.parametrize("route", ["memory", "shm"])
+def test_an_asynchronous_fsdp_dtensor_save_hands_the_writer_the_snapshot(gloo, route, tmp_path, monkeypatch):
+    """Bridge's asynchronous fsdp_dtensor save (checkpointing.py: nvidia-resiliency-ext's FileSystemWriterAsync
+    and save_state_dict_async_plan inside the save call; the request's preload and write later, in its worker):
+    inside the call the writer is handed DTensors over the snapshot kept for the run, each local tensor owning its
+    whole storage (the writer neither clones it nor reads the pinned buffer); the next step rewrites the buffer
+    before the write runs, and the checkpoint is still the iteration's, equal to a synchronous save without
+    offload."""
+    saver = pytest.importorskip("nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver")
+    from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import FileSystemWriterAsync
+    import torch.distributed.checkpoint as dcp
+
+    # the writer's D2H fence and the finalize's device for its done-flag: nothing is on a GPU here
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda *a, **k: "cpu")
+    ref = fsdp.make_optimizer(harness.Recorder(), **OPTIMIZERS["te"])
+    opt = fsdp.make_optimizer(harness.Recorder(), **OPTIMIZERS["te"])
+    engine = StreamedEngine([opt], 40_000)
+    engine.snapshot.route = route  # (the adapter sets it from cfg.checkpoint: saves.snapshot_route)
+    engine.prepare()
+    for _ in range(2):
+        step(ref)
+        step(opt, engine)
+    dcp.save(fsdp.checkpoint_state(ref), checkpoint_id=tmp_path / "ref")
+    key = engine.buffer.tensor.untyped_storage().data_ptr()
+    mod = opt.model_chunks[0].module
+    before = dict(mod.module.named_parameters())
+    opt._mesh._device_type = "cuda"  # a host view handed to DTensor.from_local would move (and fail here)
+    try:
+        with engine.snapshot.saving(), engine.checkpoint_io():
+            sd = fsdp.checkpoint_state(opt)
+            written = [t._local_tensor for t in _dtensors(sd) if t._local_tensor.numel()]
+            assert len(written) > 10 and engine.snapshot.served >= len(written)
+            for lt in written:  # the snapshot's own tensors: not the buffer, not a view the writer would clone
+                assert lt.device.type == "cpu" and lt.untyped_storage().data_ptr() != key
+                assert lt.untyped_storage().nbytes() == lt.numel() * lt.element_size()
+                assert lt.untyped_storage().is_shared() == (route == "shm")
+            writer = FileSystemWriterAsync(str(tmp_path / "fgo"), thread_count=1)
+            planned = saver.save_state_dict_async_plan(sd, writer, None, 0, planner=dcp.DefaultSavePlanner())
+            write, preload, args = writer.get_save_function_and_args()
+        assert all(before[n] is p for n, p in mod.module.named_parameters())  # the module as it was
+        del sd, written
+    finally:
+        opt._mesh._device_type = "cpu"
+    step(opt, engine)  # the next update rewrites the pinned buffer before the writer runs
+    args[1] = preload()
+    write(*args)
+    saver.save_state_dict_async_finalize(*planned)
+    assert_same(_dcp_contents(tmp_path / "ref", tmp_path), _dcp_contents(tmp_path / "fgo", tmp_path))
+    step(ref)
+    assert_same(fsdp.snapshot(ref), fsdp.snapshot(opt))  # and training went on as without offload
+    engine.close()
+
+
+class _LaterQueue:
+    """Bridge's async_calls_queue as far as the call site and this test use it: each request runs when the
+    queue is finalized, blocking (a writer working at its own pace)."""
+
+    def __init__(self):
+        self.pending = []
+
+    def schedule_async_request(self, request):
+        self.pending.append(request)
+
+    def get_num_unfinalized_calls(self):
+        return len(self.pending)
+
+    def maybe_finalize_async_calls(self, blocking=False, no_dist=False):
+        while blocking and self.pending:
+            self.pending.pop(0)()
+
+
+def _bridge_fsdp_async_save(state, opt, path):
+    """What Bridge's save_checkpoint does with an fsdp_dtensor checkpoint when async_save is set
+    (checkpointing.py): the state dict, nvidia-resiliency-ext's plan inside the call, the request (its preload,
+    write and finalize) scheduled on the run's queue."""
+    from nvidia_resiliency_ext.checkpointing.async_ckpt import state_dict_saver as saver
+    from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import FileSystemWriterAsync
+    import torch.distributed.checkpoint as dcp
+
+    writer = FileSystemWriterAsync(str(path), thread_count=1)
+    planned = saver.save_state_dict_async_plan(fsdp.checkpoint_state(opt), writer, None, 0,
+                                               planner=dcp.DefaultSavePlanner())
+    write, preload, args = writer.get_save_function_and_args()
+
+    def request():
+        args[1] = preload()
+        write(*args)
+        saver.save_state_dict_async_finalize(*planned)
+
+    state.async_calls_queue.schedule_async_request(request)
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_an_asynchronous_fsdp_dtensor_save_through_the_call_site_is_not_waited_for(gloo, persistent, tmp_path,
+                                                                                  monkeypatch, caplog_fgo):
+    """Bridge's save_checkpoint as the patch wraps it, with an asynchronous fsdp_dtensor save under Megatron-FSDP
+    and Bridge's real train_step: the snapshot kept for the run (in /dev/shm for the persistent worker) is what the
+    writer holds, so the save is not finished inside the call; two more steps run before it is written, and the
+    checkpoint is its iteration's, equal to a synchronous save without offload."""
+    import types
+
+    pytest.importorskip("nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver")
+    import torch.distributed.checkpoint as dcp
+
+    from bridge_fgo.instrument import patcher, targets
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda *a, **k: "cpu")
+    # TE's FusedAdam (what users run: its step lives in the param group). torch AdamW's per-parameter step is, in
+    # this harness, a CPU tensor of its own, which the writer is handed live and the next steps rewrite
+    ref = fsdp_rig(**OPTIMIZERS["te"])
+    ref.model_config.num_moe_experts = None  # (what Megatron-Core's optimizer state dict reads of the model)
+    harness.run_steps(ref, steps=2)
+    dcp.save(fsdp.checkpoint_state(ref.dist_optimizer), checkpoint_id=tmp_path / "ref")
+    bridge_fgo.patch(offload="builtin", chunk_mb=1)
+    rig = fsdp_rig(**OPTIMIZERS["te"])
+    rig.model_config.num_moe_experts = None
+    rig.cfg.checkpoint = types.SimpleNamespace(save=str(tmp_path), load=None, save_optim=True, async_save=True,
+                                               ckpt_format="fsdp_dtensor", use_persistent_ckpt_worker=persistent,
+                                               dist_ckpt_optim_fully_reshardable=False)
+    rig.global_state.async_calls_queue = queue = _LaterQueue()
+    harness.run_steps(rig, steps=2)
+    site = patcher._current.callsites.site(targets.target("save_checkpoint"))
+    site(_bridge_fsdp_async_save, None, (rig.global_state, rig.dist_optimizer, tmp_path / "fgo"), {})
+    (session,) = patcher._current.callsites.registry.sessions()
+    snap = session.adapter.engine.snapshot
+    assert queue.get_num_unfinalized_calls() == 1 and snap.served > 0  # not finished inside the call
+    assert snap.route == ("shm" if persistent else "memory")
+    harness.run_steps(rig, steps=2)
+    queue.maybe_finalize_async_calls(blocking=True)
+    assert_same(_dcp_contents(tmp_path / "ref", tmp_path), _dcp_contents(tmp_path / "fgo", tmp_path))
+    assert not [r for r in caplog_fgo.records if r.levelname == "WARNING" and r.name == "bridge_fgo"]
+    harness.run_steps(ref, steps=2)
+    bridge_fgo.synchronize()
+    assert_same(fsdp.snapshot(ref.dist_optimizer), fsdp.snapshot(rig.dist_optimizer))
+    bridge_fgo.unpatch()
 
 
 @pytest.mark.parametrize("kind", ["torch", "te"])

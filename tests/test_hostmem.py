@@ -824,6 +824,28 @@ def test_spread_copies_and_touches_piece_by_piece_from_several_threads(monkeypat
         spread.run(lambda x: 1 // x, [(1,), (0,), (2,)], "test")
 
 
+@pytest.mark.parametrize("cores,ranks,before,during", [(16, 2, 1, 8), (64, 1, 1, 8), (6, 4, 1, 1), (16, 2, 12, 12)])
+def test_torch_threads_are_raised_to_the_ranks_share_of_its_cores_for_the_block_only(monkeypatch, cores, ranks,
+                                                                                       before, during):
+    """torchrun's one thread a rank is raised to the rank's share of the cores it may run on (at most
+    spread.THREADS), never lowered, and restored after the block, an exception's too."""
+    from bridge_fgo.hostmem import spread
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(ranks))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(before)
+    try:
+        with spread.torch_threads() as seen:
+            assert seen == (before, during) and torch.get_num_threads() == during
+        assert torch.get_num_threads() == before
+        with pytest.raises(KeyError), spread.torch_threads():
+            raise KeyError("the load failed")
+        assert torch.get_num_threads() == before
+    finally:
+        torch.set_num_threads(threads)
+
+
 # -- how the buffer is mapped ----------------------------------------------------------------------------
 
 def _vm_flags(ptr: int) -> set:

@@ -195,6 +195,8 @@ def test_the_load_call_site_prepares_the_engine_before_bridges_load(train_module
     it), and what the load bound elsewhere is taken back into the host views when it returns."""
     import types
 
+    import torch
+
     import bridge_fgo
     from bridge_fgo.instrument import targets
     from test_streamed import rig
@@ -217,12 +219,22 @@ def test_the_load_call_site_prepares_the_engine_before_bridges_load(train_module
 
     def load(state, model, optimizer, scheduler):  # stands in for Bridge's load: one state made anew
         seen["states"] = sum(len(inner.state[p]) for g in inner.param_groups for p in g["params"])
+        seen["threads"] = torch.get_num_threads()
         p = inner.param_groups[0]["params"][0]
         if inner.state[p]:
             inner.state[p]["exp_avg"] = inner.state[p]["exp_avg"].clone() + 1
         return 0, 0
 
-    assert site(load, None, (types.SimpleNamespace(cfg=r.cfg), r.model, r.optimizer, None), {}) == (0, 0)
+    # torchrun's one thread a rank, 16 cores and 2 ranks on the node: 8 threads for the load, then 1 again
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert site(load, None, (types.SimpleNamespace(cfg=r.cfg), r.model, r.optimizer, None), {}) == (0, 0)
+        assert (seen["threads"], torch.get_num_threads()) == (8, 1)
+    finally:
+        torch.set_num_threads(threads)
     (session,) = cs.registry.sessions()
     engine = session.adapter.engine
     assert (seen["states"] > 0) == load_optim  # a model-only load: made after it, from the loaded weights
@@ -230,7 +242,7 @@ def test_the_load_call_site_prepares_the_engine_before_bridges_load(train_module
     # where the load's time went, in one line per rank: before it, Bridge's own, and each part after it
     (said,) = [r.getMessage() for r in caplog_fgo.records if "the checkpoint load took" in r.getMessage()]
     found = re.search(r"took ([\d.]+) s here: bridge_fgo's preparation before it ([\d.]+) s, Megatron-Bridge's "
-                      r"load [\d.]+ s, bridge_fgo's work after it [\d.]+ s \(waiting for the registration [\d.]+ s, "
+                      r"load [\d.]+ s \(torch's threads 1 -> 8 for it\), bridge_fgo's work after it [\d.]+ s \(waiting for the registration [\d.]+ s, "
                       r"taking what the load bound elsewhere [\d.]+ s\)$", said)
     assert found and float(found[1]) >= float(found[2]) >= 0.2, said  # the session's preparation counted
     bridge_fgo.unpatch()

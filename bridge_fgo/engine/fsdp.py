@@ -326,10 +326,11 @@ class Layout:
 
     # -- checkpoints (fsdp_dtensor) -------------------------------------------------------------------
     @contextlib.contextmanager
-    def checkpoint_io(self, host_key: int, shadows):
+    def checkpoint_io(self, host_key: int, shadows, stand_in=None):
         """During a checkpoint save or load: the masters and states that live in the host buffer (storage
         `host_key`) presented as DTensors on the host, read and written in place (`shadows`, a subset.Shadows
-        the caller restores afterwards, holds the optimizer's shadowed state-dict method).
+        the caller restores afterwards, holds the optimizer's shadowed state-dict method). `stand_in` (an
+        asynchronous save's snapshot, streamed/snapshot.py) gives each presented host view's stand-in.
 
         The optimizer's DTensors keep the GPU as their own device while their local tensors are host views,
         and torch refuses such a DTensor in its operations (the module's state_dict detaches each parameter:
@@ -347,13 +348,16 @@ class Layout:
 
         opt, inner = self.opt, self.opt.optimizer
         twins: Dict[int, tuple] = {}  # id(twin) -> (twin, original): the twin held while its id is a key
+        keys = {host_key}  # the storages presented: the host buffer's, and the snapshot's a save hands over
 
         def on_host(t) -> bool:
             lt = local(t)
-            return lt.device.type == "cpu" and lt.untyped_storage().data_ptr() == host_key
+            return lt.device.type == "cpu" and lt.untyped_storage().data_ptr() in keys
 
         def twin(t):
-            tw = DTensor(local(t), t._spec, requires_grad=False)
+            lt = local(t) if stand_in is None else stand_in(local(t))
+            keys.add(lt.untyped_storage().data_ptr())
+            tw = DTensor(lt, t._spec, requires_grad=False)
             twins[id(tw)] = (tw, t)
             return tw
 
@@ -410,7 +414,7 @@ class Layout:
                 for k, v in list(st.items()):
                     _, orig = twins.get(id(v), (None, None))
                     if orig is not None:
-                        if local(orig) is not local(v):
+                        if local(orig) is not local(v) and stand_in is None:  # (a save's snapshot stays its own)
                             orig._local_tensor = local(v)
                         st[k] = orig
 

@@ -25,7 +25,7 @@ from typing import Dict, Optional, Tuple
 
 import wrapt
 
-from .. import peaks
+from .. import hostmem, peaks
 from . import agree, decide, saves, targets
 from ..errors import BridgeFGOConfigError
 from ..log import logger, rank_prefix
@@ -50,25 +50,28 @@ def _load(session, wrapped, args, kwargs, start: float):
     times = [start]
     session.prepare()
     times.append(time.perf_counter())
-    try:
-        with checkpoint_io([session]):
+    threads = None
+    try:  # the load copies what it reads into the host buffer with torch's copy_, on torch's threads
+        with checkpoint_io([session]), hostmem.spread.torch_threads() as threads:
             result = wrapped(*args, **kwargs)
     finally:
         times.append(time.perf_counter())
         laps = session.adapter.after_load()
         peaks.note("checkpoint load")
-    _say_load(times + [time.perf_counter()], laps)
+    _say_load(times + [time.perf_counter()], laps, threads)
     return result
 
 
-def _say_load(times, laps) -> None:
+def _say_load(times, laps, threads=None) -> None:
     """Where a checkpoint load's time went on this rank, `times` its four moments (issue 43: the load with
-    offload against without)."""
+    offload against without); `threads`: torch's (before, during) the load."""
     start, prepared, loaded, end = times
     parts = f" ({', '.join(f'{what} {s:.2f} s' for what, s in laps)})" if laps else ""
+    raised = (f" (torch's threads {threads[0]} -> {threads[1]} for it)" if threads and threads[0] != threads[1]
+              else "")
     logger.info("%sthe checkpoint load took %.2f s here: bridge_fgo's preparation before it %.2f s, Megatron-Bridge's "
-                "load %.2f s, bridge_fgo's work after it %.2f s%s", rank_prefix(), end - start, prepared - start,
-                loaded - prepared, end - loaded, parts)
+                "load %.2f s%s, bridge_fgo's work after it %.2f s%s", rank_prefix(), end - start, prepared - start,
+                loaded - prepared, raised, end - loaded, parts)
 
 
 class ReloadingFinalize(wrapt.FunctionWrapper):

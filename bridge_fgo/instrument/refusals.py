@@ -157,10 +157,6 @@ def megatron_fsdp(cfg, dist_optimizers, who: str) -> List[str]:
                    f"Megatron-FSDP's DTensors between steps, which the streamed step keeps on the host; set it to False{fix}")
     if getattr(model, "qk_clip", False):
         out.append(f"cfg.model.qk_clip=True with Megatron-FSDP: not served by the streamed step yet; set it to False{fix}")
-    ckpt = getattr(cfg, "checkpoint", None)
-    if ckpt is not None and saves_optimizer_async(cfg):
-        out.append("cfg.checkpoint.async_save=True with Megatron-FSDP: an asynchronous fsdp_dtensor save of the "
-                   f"host states is not served yet; set async_save=False{fix}")
     return out
 
 

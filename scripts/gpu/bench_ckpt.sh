@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Usage (on a two-GPU device, under run_kit.sh --te /tmp/te): scripts/gpu/bench_ckpt.sh [GROUP...]
-#   GROUP: one-dp, one-full (one GPU), dp2-dp, dp2-full (data-parallel 2); -dp: dp_reshardable (Bridge's
-#   default), -full: fully_reshardable. Default: all four (more than one device call holds: see below).
+#   GROUP: one-dp, one-full, one-dp-1t, one-fsdp (one GPU), dp2-dp, dp2-full, dp2-fsdp (data-parallel 2);
+#   -dp: dp_reshardable (Bridge's default), -full: fully_reshardable, -fsdp: Megatron-FSDP (optim_grads_params,
+#   Transformer Engine's layers) and its fsdp_dtensor format; -1t: each run started with OMP_NUM_THREADS=1, as
+#   torchrun starts every rank of a multi-GPU run. Default: one-dp one-full dp2-dp dp2-full (more than one
+#   device call holds: see below).
 # Issue 43: checkpoint I/O with and without offload. Per group, one base run saves a checkpoint at
 # iteration 2 (PREP); then REPS runs of each mode (base, builtin), interleaved, each resumed from it (the
 # load, the first iteration after it, setup), training to 8 and saving every 2 iterations: at 4
@@ -28,6 +31,7 @@ cmd() {  # cmd LAYOUT MODE: the launch of one run
   local launch
   case $1 in
     one) launch="python3 $B" ;;
+    one1t) launch="env OMP_NUM_THREADS=1 python3 $B" ;;
     dp2) launch="torchrun --standalone --nproc-per-node 2 $B" ;;
   esac
   case $2 in
@@ -62,9 +66,12 @@ for g in "$@"; do
   case $g in
     one-dp) group one-dp one ;;
     one-full) group one-full one --fully-reshardable ;;
+    one-dp-1t) group one-dp-1t one1t ;;
+    one-fsdp) group one-fsdp one --fsdp optim_grads_params --te-spec ;;
     dp2-dp) group dp2-dp dp2 ;;
     dp2-full) group dp2-full dp2 --fully-reshardable ;;
-    *) echo "unknown group $g (one-dp, one-full, dp2-dp, dp2-full)" >&2 ;;
+    dp2-fsdp) group dp2-fsdp dp2 --fsdp optim_grads_params --te-spec ;;
+    *) echo "unknown group $g (one-dp, one-full, one-dp-1t, one-fsdp, dp2-dp, dp2-full, dp2-fsdp)" >&2 ;;
   esac
 done
 python3 scripts/ckpt_summary.py $R | tee $R/summary.txt

@@ -313,7 +313,8 @@ class StreamedEngine:
     @contextlib.contextmanager
     def checkpoint_io(self):
         """A checkpoint save or load: the host copy whole first; Megatron-FSDP's DTensors over the host buffer
-        presented on the host for the call (engine/fsdp.py)."""
+        presented on the host for the call (engine/fsdp.py), over the snapshot in an asynchronous save that keeps
+        one (entered inside snapshot.saving())."""
         parts = [p for p in self.parts if p.fsdp is not None]
         if not parts or self.transfers.buffer is None:
             yield
@@ -324,7 +325,8 @@ class StreamedEngine:
         try:
             with contextlib.ExitStack() as stack:
                 for part in parts:
-                    stack.enter_context(part.fsdp.checkpoint_io(key, shadows))
+                    stack.enter_context(part.fsdp.checkpoint_io(key, shadows, self.snapshot.stand_in
+                                                                if self.snapshot.active else None))
                 yield
         finally:
             shadows.restore()

@@ -18,8 +18,10 @@ With it (read in nvidia-resiliency-ext 0.6.0 and Megatron-Core 0.19.2):
 One snapshot, reused: the save_checkpoint call site finishes a pending asynchronous save before the next
 starts (instrument/saves.py, finish_pending), so no writer still reads the snapshot when the next save
 rewrites it, and the next optimizer steps write the pinned buffer, never the snapshot. Only the states
-handed to the writer as whole host views are served this way (dp_reshardable, Bridge's default);
-fully_reshardable hands it gathered copies, which it clones as without offload.
+handed to the writer as whole host views are served this way (dp_reshardable, Bridge's default, and
+Megatron-FSDP's fsdp_dtensor, whose DTensors are presented over the snapshot for the save: stand_in);
+fully_reshardable hands it gathered copies, which it clones as without offload, and so is a part of a view
+(Megatron-FSDP's SwiGLU split).
 
 Route "shm" (the persistent worker): shared storages, /dev/shm checked for them before the first step;
 "memory" (Megatron-Core's forked worker reads this process's pages): ordinary tensors. Both are counted
@@ -56,6 +58,8 @@ class Snapshot:
         self._unfaulted = False  # allocated, its fault-in not started yet
         self._later = False   # beside a load: made and faulted in at the first save
         self._taken = False   # copied for the save in progress
+        self._by_ptr: Optional[Dict[int, Tuple[object, object]]] = None  # host view's address -> (entry, snapshot)
+        self.active = False   # inside saving() with a snapshot: checkpoint_io hands Megatron-FSDP's writer its tensors
 
     @property
     def kept(self) -> bool:
@@ -177,7 +181,8 @@ class Snapshot:
     def saving(self):
         """Around one asynchronous save call: each DistributedOptimizer's sharded_state_dict, when built for
         saving, hands the writer the snapshot (the states copied into it at the first such call) instead of
-        views of the pinned buffer. Nothing changes without a snapshot."""
+        views of the pinned buffer, and so do Megatron-FSDP's DTensors presented for the call (`active`: the
+        engine's checkpoint_io). Nothing changes without a snapshot."""
         self.fault_in()  # (what a load left for later is made here, at the first save)
         self._ready()
         if not self.tensors:
@@ -188,7 +193,7 @@ class Snapshot:
 
         from .. import subset
 
-        self._taken, self.served = False, 0
+        self._taken, self.served, self._by_ptr, self.active = False, 0, None, True
         hooks = subset.Shadows()
         for part in self.plan.parts:
             opt = part.opt
@@ -199,7 +204,7 @@ class Snapshot:
             yield
         finally:
             hooks.restore()
-            self._taken = False
+            self._taken, self._by_ptr, self.active = False, None, False
 
     def _sharded(self, opt_ref, prior, *args, **kwargs):
         from .readers import _is_loading
@@ -230,7 +235,6 @@ class Snapshot:
             return
         from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-        by_ptr = {e.host.data_ptr(): (e, snap) for e, snap in self.tensors.values()}
         stack = [sharded_state_dict]
         while stack:
             x = stack.pop()
@@ -239,14 +243,22 @@ class Snapshot:
             elif isinstance(x, (list, tuple)):
                 stack.extend(x)
             elif isinstance(x, ShardedTensor):
-                t = x.data
-                on_host = getattr(t, "device", None) is not None and t.device.type == "cpu"
-                hit = by_ptr.get(t.data_ptr()) if on_host else None
-                if hit is None:
-                    continue
-                e, snap = hit
-                if t.dtype != e.dtype or t.numel() * t.element_size() != e.nbytes or not t.is_contiguous():
-                    continue  # a part of a view, not the whole entry: left to the writer's own copy
-                self.take()
-                x.data = snap.view(t.shape)
-                self.served += 1
+                x.data = self.stand_in(x.data)
+
+    def stand_in(self, t):
+        """What a save hands its writer for host tensor `t`: the snapshot's tensor of the entry `t` is the whole
+        host view of (the same values: taken just before), else `t` itself (a part of a view, anything else: left
+        to the writer's own copy). Megatron-FSDP's DTensors take theirs through fsdp.Layout.checkpoint_io."""
+        if not self.tensors or getattr(t, "device", None) is None or t.device.type != "cpu":
+            return t
+        if self._by_ptr is None:
+            self._by_ptr = {e.host.data_ptr(): (e, snap) for e, snap in self.tensors.values()}
+        hit = self._by_ptr.get(t.data_ptr())
+        if hit is None:
+            return t
+        e, snap = hit
+        if t.dtype != e.dtype or t.numel() * t.element_size() != e.nbytes or not t.is_contiguous():
+            return t
+        self.take()
+        self.served += 1
+        return snap.view(t.shape)
