@@ -66,7 +66,7 @@ class HostFit:
         if self.snapshot_per_rank:
             per_rank += (f" + {fmt_bytes(self.snapshot_per_rank)} per rank for asynchronous checkpoint saves (the "
                          "snapshot of the host states their writer is handed; kept for the run where the states are "
-                         "saved dp_reshardable)")
+                         "saved dp_reshardable or fsdp_dtensor)")
         if self.load_per_rank:
             per_rank += f" + {fmt_bytes(self.load_per_rank)} per rank while a checkpoint load makes states ({LOAD})"
         head = (f"host memory: {per_rank} x {self.local_ranks} local rank(s) ({self.local_ranks_source}) = "

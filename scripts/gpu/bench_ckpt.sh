@@ -2,7 +2,8 @@
 # Usage (on a two-GPU device, under run_kit.sh --te /tmp/te): scripts/gpu/bench_ckpt.sh [GROUP...]
 #   GROUP: one-dp, one-full, one-dp-1t, one-fsdp (one GPU), dp2-dp, dp2-full, dp2-fsdp (data-parallel 2);
 #   -dp: dp_reshardable (Bridge's default), -full: fully_reshardable, -fsdp: Megatron-FSDP (optim_grads_params,
-#   Transformer Engine's layers) and its fsdp_dtensor format; -1t: each run started with OMP_NUM_THREADS=1, as
+#   Transformer Engine's layers, deterministic_mode: without it two runs of TE's layers differ, 2026-11-28) and
+#   its fsdp_dtensor format; -1t: each run started with OMP_NUM_THREADS=1, as
 #   torchrun starts every rank of a multi-GPU run. Default: one-dp one-full dp2-dp dp2-full (more than one
 #   device call holds: see below).
 # Issue 43: checkpoint I/O with and without offload. Per group, one base run saves a checkpoint at
@@ -67,10 +68,10 @@ for g in "$@"; do
     one-dp) group one-dp one ;;
     one-full) group one-full one --fully-reshardable ;;
     one-dp-1t) group one-dp-1t one1t ;;
-    one-fsdp) group one-fsdp one --fsdp optim_grads_params --te-spec ;;
+    one-fsdp) group one-fsdp one --fsdp optim_grads_params --te-spec --deterministic ;;
     dp2-dp) group dp2-dp dp2 ;;
     dp2-full) group dp2-full dp2 --fully-reshardable ;;
-    dp2-fsdp) group dp2-fsdp dp2 --fsdp optim_grads_params --te-spec ;;
+    dp2-fsdp) group dp2-fsdp dp2 --fsdp optim_grads_params --te-spec --deterministic ;;
     *) echo "unknown group $g (one-dp, one-full, one-dp-1t, one-fsdp, dp2-dp, dp2-full, dp2-fsdp)" >&2 ;;
   esac
 done
