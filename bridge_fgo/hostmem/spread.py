@@ -35,7 +35,7 @@ def torch_threads() -> Iterator[Tuple[int, int]]:
     """torch's intra-op threads raised to rank_threads() for the block, never lowered, restored after it (an
     exception too); yields (before, during). Under torchrun a rank has one (OMP_NUM_THREADS=1), and torch's
     copy_ between host tensors runs on them: a checkpoint load into the host buffer, 1.27x the load without
-    offload on data-parallel 2 with one, 1.10x with eight (2xH200, 2026-11-28)."""
+    offload on data-parallel 2 with one, 1.10x with eight in both (2xH200, 2026-11-28)."""
     import torch
 
     before = torch.get_num_threads()
