@@ -320,24 +320,10 @@ def test_another_ranks_pending_save_is_finished_on_every_rank(monkeypatch, tmp_p
 
 # -- 4. the safety net: a writer that keeps views of the host buffer ---------------------------------------
 
-class ViewWriterQueue:
+class ViewWriterQueue(harness.LaterQueue):
     """A stand-in writer that does not copy: its request keeps the sharded state dict's tensors (views of
     the pinned buffer) and writes them when it runs, here when the queue is finalized (an in-process,
     background writer reading at its own pace)."""
-
-    def __init__(self):
-        self.pending = []
-
-    def schedule_async_request(self, request):
-        self.pending.append(request)
-
-    def get_num_unfinalized_calls(self):
-        return len(self.pending)
-
-    def maybe_finalize_async_calls(self, blocking=False, no_dist=False):
-        if blocking:
-            while self.pending:
-                self.pending.pop(0)()
 
 
 def view_writer_save(state, dist_optimizer, path):

@@ -651,24 +651,6 @@ def test_an_asynchronous_fsdp_dtensor_save_hands_the_writer_the_snapshot(gloo, r
     engine.close()
 
 
-class _LaterQueue:
-    """Bridge's async_calls_queue as far as the call site and this test use it: each request runs when the
-    queue is finalized, blocking (a writer working at its own pace)."""
-
-    def __init__(self):
-        self.pending = []
-
-    def schedule_async_request(self, request):
-        self.pending.append(request)
-
-    def get_num_unfinalized_calls(self):
-        return len(self.pending)
-
-    def maybe_finalize_async_calls(self, blocking=False, no_dist=False):
-        while blocking and self.pending:
-            self.pending.pop(0)()
-
-
 def _bridge_fsdp_async_save(state, opt, path):
     """What Bridge's save_checkpoint does with an fsdp_dtensor checkpoint when async_save is set
     (checkpointing.py): the state dict, nvidia-resiliency-ext's plan inside the call, the request (its preload,
@@ -718,7 +700,7 @@ def test_an_asynchronous_fsdp_dtensor_save_through_the_call_site_is_not_waited_f
     rig.cfg.checkpoint = types.SimpleNamespace(save=str(tmp_path), load=None, save_optim=True, async_save=True,
                                                ckpt_format="fsdp_dtensor", use_persistent_ckpt_worker=persistent,
                                                dist_ckpt_optim_fully_reshardable=False)
-    rig.global_state.async_calls_queue = queue = _LaterQueue()
+    rig.global_state.async_calls_queue = queue = harness.LaterQueue()
     harness.run_steps(rig, steps=2)
     site = patcher._current.callsites.site(targets.target("save_checkpoint"))
     site(_bridge_fsdp_async_save, None, (rig.global_state, rig.dist_optimizer, tmp_path / "fgo"), {})
