@@ -11,7 +11,8 @@
   falls back to torch.empty(pin_memory=True) with one WARNING when registration is refused. The
   PinnedHost it returns is released exactly once, by free() or, as a backstop, when collected;
   `pinned_bytes()` / `live_buffers()` count what is still held.
-- `spread` (spread.py): copies between host tensors and first touches, from a few threads.
+- `spread` (spread.py): copies between host tensors and first touches, from a few threads; torch's own threads
+  raised to the rank's share of its cores for a checkpoint load (torch_threads).
 
 Importing this package does not import torch. Every path under /proc and /sys is read below `root`
 (default "/") so tests can fake the trees.
