@@ -269,39 +269,123 @@ def test_a_save_pending_at_unpatch(writers, megatron_core_for, kind, tmp_path):
     assert_same(snapshot(twin.dist_optimizer), snapshot(rig.dist_optimizer))
 
 
-@pytest.mark.parametrize("kind", harness.OPTIMIZERS)
-def test_a_save_started_while_the_previous_is_written_finishes_that_one_first(writers, megatron_core_for, kind,
-                                                                              tmp_path, caplog):
-    """Bridge starts a save with the previous one still in flight ("Starting a checkpoint save before
-    previous has finished"); each holds its writer's copy of the host states, and the host-memory check
-    planned one. The call site finishes the pending save first (said once), so one copy exists at a time;
-    both checkpoints hold their own iteration."""
-    setup_kind(megatron_core_for, kind)
-    bridge_fgo.patch(offload="builtin", chunk_mb=1)
-    queue = writers[WRITER]
-    rig = rig_for(kind, tmp_path, queue)
-    pending_at_entry = []
+def no_room(monkeypatch):
+    """This host, as room_for() sees it while training runs: 1 GiB available, less than the reserve alone."""
+    monkeypatch.setattr(hostmem.available, "host_memory",
+                        lambda root=None: hostmem.HostMemory(hostmem.GiB, "MemAvailable", "faked by the test", None, None))
+
+
+def overlapping_saves(rig, queue, tmp_path, its=(2, 3, 4), after_the_first=None):
+    """Bridge's flow when saves overlap: an asynchronous save at each of `its`, one step apart, none finalized in
+    between, each beside a synchronous save of its iteration (`after_the_first()` called after the first); what
+    was pending as each save began writing, and the ids of the snapshot tensors each save was handed."""
+    pending_at_entry, handed = [], []
 
     def save(state, dist_optimizer, directory, strategy):
         pending_at_entry.append(queue.get_num_unfinalized_calls())
         bridge_save(state, dist_optimizer, directory, strategy)
 
-    for it in (2, 3, 4):
-        harness.run_steps(rig, steps=1 if it > 2 else 2)
+    for it in its:
+        harness.run_steps(rig, steps=it if it == its[0] else 1)
         sync_save(rig.dist_optimizer, tmp_path / f"sync{it}")
         save_site()(save, None, (rig.global_state, rig.dist_optimizer, tmp_path / f"async{it}", WRITER), {})
-    assert pending_at_entry == [0, 0, 0] and queue.get_num_unfinalized_calls() == 1
-    queue.maybe_finalize_async_calls(blocking=True)
+        handed.append({id(t) for _, t in engine_of(rig).snapshot.tensors.values()})
+        if after_the_first is not None and it == its[0]:
+            after_the_first()
+    return pending_at_entry, handed
+
+
+def same_iterations(rig, tmp_path, its=(2, 3, 4)):
     skip = model_keys(rig.dist_optimizer)
-    for it in (2, 3, 4):
-        assert differing(tmp_path / f"async{it}", tmp_path / f"sync{it}", skip) == []
-    said = [r.getMessage() for r in caplog.records if "still being written" in r.getMessage()]
-    assert len(said) == 1 and "planned once by the host-memory check" in said[0] and "save_interval" in said[0]
+    return [differing(tmp_path / f"async{it}", tmp_path / f"sync{it}", skip) for it in its]
+
+
+@pytest.mark.parametrize("kind", harness.OPTIMIZERS)
+def test_a_save_started_while_the_previous_is_written_gets_a_second_snapshot(writers, megatron_core_for, kind,
+                                                                             tmp_path, caplog):
+    """Bridge starts a save with the previous one still in flight ("Starting a checkpoint save before previous
+    has finished"), as without offload, where each pending save holds its own copy. With room for a second copy
+    on every local rank (hostmem.room_for), a second snapshot is made for it, once, said once, and the saves
+    alternate between the two; with two saves pending, they are finished first (said once). Every checkpoint
+    holds its own iteration."""
+    caplog.set_level("INFO", logger="bridge_fgo")
+    setup_kind(megatron_core_for, kind)
+    bridge_fgo.patch(offload="builtin", chunk_mb=1)
+    queue = writers[WRITER]
+    rig = rig_for(kind, tmp_path, queue)
+    pending_at_entry, handed = overlapping_saves(rig, queue, tmp_path)
+    assert pending_at_entry == [0, 1, 0] and queue.get_num_unfinalized_calls() == 1
+    assert handed[0] and not handed[0] & handed[1] and handed[2] == handed[1]  # two sets, alternating
+    queue.maybe_finalize_async_calls(blocking=True)
+    assert same_iterations(rig, tmp_path) == [[], [], []]
+    made = [r.getMessage() for r in caplog.records if "a second snapshot was made" in r.getMessage()]
+    assert len(made) == 1 and "room checked on every local rank" in made[0]
+    said = [r.getMessage() for r in caplog.records if "still being written," in r.getMessage()]
+    assert len(said) == 1 and "2 saves are still being written" in said[0] and "save_interval" in said[0]
+
+
+@pytest.mark.parametrize("kind", harness.OPTIMIZERS)
+def test_without_room_for_a_second_copy_the_pending_save_is_finished_first(writers, megatron_core_for, kind,
+                                                                          tmp_path, caplog, monkeypatch):
+    """The host has no room for a second copy now (room_for: what is available, less the reserve): the pending
+    save is finished before the next one starts, said once with the figures and the fix; one snapshot serves
+    every save, and each checkpoint holds its own iteration."""
+    setup_kind(megatron_core_for, kind)
+    bridge_fgo.patch(offload="builtin", chunk_mb=1)
+    queue = writers[WRITER]
+    rig = rig_for(kind, tmp_path, queue)
+    pending_at_entry, handed = overlapping_saves(rig, queue, tmp_path, after_the_first=lambda: no_room(monkeypatch))
+    assert pending_at_entry == [0, 0, 0] and queue.get_num_unfinalized_calls() == 1
+    assert handed[0] == handed[1] == handed[2] and not engine_of(rig).snapshot._other
+    queue.maybe_finalize_async_calls(blocking=True)
+    assert same_iterations(rig, tmp_path) == [[], [], []]
+    said = [r.getMessage() for r in caplog.records if "still being written," in r.getMessage()]
+    assert len(said) == 1 and "cannot be held beside the first" in said[0] and "faked by the test" in said[0]
+    assert "reserve of 2.00 GiB" in said[0] and "save_interval" in said[0]
+    assert not [r for r in caplog.records if "a second snapshot was made" in r.getMessage()]
+
+
+class RequestQueue(harness.LaterQueue):
+    """Bridge's queue with a writer that writes later than any real one: each scheduled request (the real
+    writer's, Megatron-Core's or nvidia-resiliency-ext's) runs, in this process, only when the queue is finalized
+    blocking, so it reads what it was handed after every step that ran meanwhile."""
+
+    def schedule_async_request(self, request):
+        super().schedule_async_request(request.execute_sync)
+
+
+@pytest.mark.parametrize("alternating", [True, False], ids=["two-sets", "control-one-set"])
+@pytest.mark.parametrize("kind", ["te", "apex"])
+def test_a_save_beside_a_pending_one_never_rewrites_what_that_one_writes(megatron_core_for, kind, alternating,
+                                                                         tmp_path, monkeypatch):
+    """Two saves pending at once, both written only after the third iteration's step (RequestQueue), each from its
+    own snapshot set: each checkpoint is its own iteration's. The control, with the sets kept from alternating,
+    shows the test can fail: the first save then writes what the second copied over it."""
+    from bridge_fgo.engine.streamed.snapshot import Snapshot
+
+    setup_kind(megatron_core_for, kind)
+    if not alternating:
+        monkeypatch.setattr(Snapshot, "alternate", lambda self, agreed: None)
+    bridge_fgo.patch(offload="builtin", chunk_mb=1)
+    queue = RequestQueue()
+    rig = rig_for(kind, tmp_path, queue, use_persistent_ckpt_worker=False)
+    with mock.patch("torch.cuda.synchronize", lambda *a, **k: None), \
+            mock.patch("torch.cuda.current_device", lambda *a, **k: "cpu"):
+        pending_at_entry, handed = overlapping_saves(rig, queue, tmp_path, its=(2, 3))
+        harness.run_steps(rig, steps=1)  # the third step, before either is written
+        assert pending_at_entry == [0, 1] and queue.get_num_unfinalized_calls() == 2
+        assert engine_of(rig).snapshot.served > 0
+        queue.maybe_finalize_async_calls(blocking=True)
+    if alternating:
+        assert same_iterations(rig, tmp_path, (2, 3)) == [[], []]
+    else:
+        assert same_iterations(rig, tmp_path, (2, 3))[0]  # iteration 2's checkpoint holds iteration 3's states
 
 
 def test_another_ranks_pending_save_is_finished_on_every_rank(monkeypatch, tmp_path):
     """Finishing is collective: a rank with nothing pending finishes too when another rank has a save in
-    flight; with nothing pending anywhere, nothing is finished."""
+    flight and no room for a second copy beside it; with room there, or nothing pending anywhere, nothing is
+    finished."""
     bridge_fgo.patch(offload="builtin", chunk_mb=1)
     queue = ViewWriterQueue()
     rig = rig_for("torch", tmp_path, queue)
@@ -313,7 +397,10 @@ def test_another_ranks_pending_save_is_finished_on_every_rank(monkeypatch, tmp_p
     other += [None, None]
     save_site()(lambda state: None, None, (rig.global_state,), {})
     assert finishes == [] and other == []
-    other += ["pending", None]
+    other += ["", None]  # one save pending there, with room for a second copy beside it
+    save_site()(lambda state: None, None, (rig.global_state,), {})
+    assert finishes == [] and other == []
+    other += ["no room there", None]
     save_site()(lambda state: None, None, (rig.global_state,), {})
     assert finishes == [True] and other == []
 
@@ -582,8 +669,8 @@ def _writer_tensors(monkeypatch):
 def test_the_writer_is_handed_the_snapshot_made_once(writers, megatron_core_for, kind, tmp_path, monkeypatch):
     """With Bridge's default writer and persistent worker: the snapshot exists before the first save (made
     at prepare, faulted in beside training), every save hands the writer its tensors (shared storages of
-    their own: neither cloned nor moved), the same storages at every save, and each checkpoint is its
-    iteration's, equal to a synchronous save."""
+    their own: neither cloned nor moved), the same storages at every save that starts after the last one was
+    written, and each checkpoint is its iteration's, equal to a synchronous save."""
     if WRITER != "nvrx":
         pytest.skip("megatron-core 0.16 saves only with its own writer")
     setup_kind(megatron_core_for, kind)
@@ -603,21 +690,24 @@ def test_the_writer_is_handed_the_snapshot_made_once(writers, megatron_core_for,
         handed = {t.untyped_storage().data_ptr() for t in seen[-1]}
         assert snap.served == len(snap.tensors) and set(made) <= handed
         assert sorted(t.untyped_storage().data_ptr() for _, t in snap.tensors.values()) == made  # not moved
-    harness.run_steps(rig, steps=1)
-    queue.maybe_finalize_async_calls(blocking=True)
+        harness.run_steps(rig, steps=1)
+        queue.maybe_finalize_async_calls(blocking=True)  # written before the next save (no second set needed)
+    assert not snap._other
     skip = model_keys(rig.dist_optimizer)
     for it in (2, 3):
         assert differing(tmp_path / f"async{it}", tmp_path / f"sync{it}", skip) == []
     assert not engine_of(rig).buffer.moved()
 
 
+@pytest.mark.parametrize("room", [True, False], ids=["room", "no-room"])
 @pytest.mark.parametrize("kind", harness.OPTIMIZERS)
-def test_a_writer_holding_the_snapshot_is_not_waited_for_and_the_next_save_finishes_it_first(
-        megatron_core_for, kind, tmp_path, caplog):
+def test_a_writer_holding_the_snapshot_is_not_waited_for_and_the_next_save_never_rewrites_it(
+        megatron_core_for, kind, room, tmp_path, caplog, monkeypatch):
     """A writer that keeps what it is handed and writes it later: with the snapshot it holds no view of the
     pinned buffer, so the save is not finished inside the call (no stall), and the next updates do not reach
-    what it writes; the next save finishes it before rewriting the snapshot. Without that finish it would
-    write the next save's values (the control, below)."""
+    what it writes. The next save, started while it is pending, is handed the snapshot's second set where the
+    host has room, and finishes it first where not. Without either it would write the next save's values (the
+    control, below)."""
     caplog.set_level("WARNING", logger="bridge_fgo")
     queue = ViewWriterQueue()
     rig, want2 = at_iteration_2(megatron_core_for, kind, tmp_path, queue)
@@ -626,8 +716,10 @@ def test_a_writer_holding_the_snapshot_is_not_waited_for_and_the_next_save_finis
     harness.run_steps(rig, steps=2)
     bridge_fgo.synchronize()
     want4 = snapshot(rig.dist_optimizer)
+    if not room:
+        no_room(monkeypatch)
     save_site()(view_writer_save, None, (rig.global_state, rig.dist_optimizer, tmp_path / "held4.pt"), {})
-    assert (tmp_path / "held2.pt").exists() and queue.get_num_unfinalized_calls() == 1
+    assert (tmp_path / "held2.pt").exists() != room and queue.get_num_unfinalized_calls() == (2 if room else 1)
     queue.maybe_finalize_async_calls(blocking=True)
     assert _same_states(_buffers(tmp_path / "held2.pt"), want2)
     assert _same_states(_buffers(tmp_path / "held4.pt"), want4)
@@ -642,10 +734,11 @@ def _buffers(path):
 
 
 def test_without_the_finish_the_reused_snapshot_would_be_rewritten(megatron_core_for, tmp_path, monkeypatch):
-    """The control: finish_pending skipped, the second save rewrites the snapshot the first still holds."""
+    """The control: finish_pending skipped (no second set, no finish), the second save rewrites the snapshot the
+    first still holds."""
     queue = ViewWriterQueue()
     rig, want2 = at_iteration_2(megatron_core_for, "torch", tmp_path, queue)
-    monkeypatch.setattr(saves, "finish_pending", lambda state, nbytes: None)
+    monkeypatch.setattr(saves, "finish_pending", lambda state, sessions, nbytes: None)
     save_site()(view_writer_save, None, (rig.global_state, rig.dist_optimizer, tmp_path / "held2.pt"), {})
     harness.run_steps(rig, steps=2)
     save_site()(view_writer_save, None, (rig.global_state, rig.dist_optimizer, tmp_path / "held4.pt"), {})

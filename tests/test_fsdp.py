@@ -718,6 +718,47 @@ def test_an_asynchronous_fsdp_dtensor_save_through_the_call_site_is_not_waited_f
     bridge_fgo.unpatch()
 
 
+def test_two_pending_fsdp_dtensor_saves_each_write_their_own_iteration(gloo, tmp_path, monkeypatch, caplog_fgo):
+    """Two asynchronous fsdp_dtensor saves pending at once (Bridge starts the second before the first is written),
+    both written only after the next step: the second is handed the snapshot's second set (made for it, room
+    checked), so each checkpoint equals a synchronous save of its iteration without offload."""
+    import types
+
+    pytest.importorskip("nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver")
+    import torch.distributed.checkpoint as dcp
+
+    from bridge_fgo.instrument import patcher, targets
+
+    caplog_fgo.set_level("INFO", logger="bridge_fgo")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda *a, **k: "cpu")
+    ref = fsdp_rig(**OPTIMIZERS["te"])
+    ref.model_config.num_moe_experts = None
+    harness.run_steps(ref, steps=2)
+    dcp.save(fsdp.checkpoint_state(ref.dist_optimizer), checkpoint_id=tmp_path / "ref2")
+    harness.run_steps(ref, steps=1)
+    dcp.save(fsdp.checkpoint_state(ref.dist_optimizer), checkpoint_id=tmp_path / "ref3")
+    bridge_fgo.patch(offload="builtin", chunk_mb=1)
+    rig = fsdp_rig(**OPTIMIZERS["te"])
+    rig.model_config.num_moe_experts = None
+    rig.cfg.checkpoint = types.SimpleNamespace(save=str(tmp_path), load=None, save_optim=True, async_save=True,
+                                               ckpt_format="fsdp_dtensor", use_persistent_ckpt_worker=True,
+                                               dist_ckpt_optim_fully_reshardable=False)
+    rig.global_state.async_calls_queue = queue = harness.LaterQueue()
+    site = patcher._current.callsites.site(targets.target("save_checkpoint"))
+    harness.run_steps(rig, steps=2)
+    site(_bridge_fsdp_async_save, None, (rig.global_state, rig.dist_optimizer, tmp_path / "fgo2"), {})
+    harness.run_steps(rig, steps=1)
+    site(_bridge_fsdp_async_save, None, (rig.global_state, rig.dist_optimizer, tmp_path / "fgo3"), {})
+    harness.run_steps(rig, steps=1)
+    assert queue.get_num_unfinalized_calls() == 2  # neither written yet
+    queue.maybe_finalize_async_calls(blocking=True)
+    for it in (2, 3):
+        assert_same(_dcp_contents(tmp_path / f"ref{it}", tmp_path), _dcp_contents(tmp_path / f"fgo{it}", tmp_path))
+    assert [r for r in caplog_fgo.records if "a second snapshot was made" in r.getMessage()]
+    bridge_fgo.unpatch()
+
+
 @pytest.mark.parametrize("kind", ["torch", "te"])
 def test_before_a_load_every_rank_has_the_states_the_dummy_step_makes(gloo, kind):
     """Megatron-Core's dummy step before an fsdp_dtensor load, served without stepping: the same parameters get

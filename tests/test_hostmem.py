@@ -303,6 +303,25 @@ def test_snapshots_passing_through_dev_shm_must_fit_there(tmp_path, shm_free):
     assert fit.shm_available is None and "unreadable" in fit.describe() and "not checked" in fit.describe()
 
 
+def test_room_for_memory_made_while_training_runs(tmp_path, shm_free):
+    """room_for: the same sums as the check before the first step, for memory made later (a second snapshot for
+    a save that starts beside a pending one), answered with why not instead of a refusal; unknown figures do not
+    fit."""
+    meminfo(tmp_path, 100 * GiB)  # reserve: 5 GiB
+    env = {"LOCAL_WORLD_SIZE": "8"}
+    assert hostmem.room_for(int(11.875 * GiB), env=env, root=str(tmp_path)) is None  # 95 GiB + 5 GiB
+    why = hostmem.room_for(12 * GiB, env=env, root=str(tmp_path))
+    assert "x 8 local rank(s) = 96.00 GiB" in why and "reserve of 5.00 GiB" in why and "100.00 GiB" in why
+    shm_free(90 * GiB)
+    assert hostmem.room_for(11 * GiB, env=env, root=str(tmp_path)) is None  # not through /dev/shm: not asked
+    why = hostmem.room_for(int(11.5 * GiB), env=env, in_shm=True, root=str(tmp_path))  # 92 GiB: memory fits
+    assert why is not None and "/dev/shm" in why and "90.00 GiB" in why
+    assert hostmem.room_for(11 * GiB, env=env, in_shm=True, root=str(tmp_path)) is None
+    shm_free(None)
+    assert "unknown" in hostmem.room_for(1, env=env, in_shm=True, root=str(tmp_path))
+    assert "unknown" in hostmem.room_for(1, env=env, root=str(tmp_path / "nothing"))
+
+
 def test_zero_bytes_fit_and_bad_arguments(tmp_path):
     meminfo(tmp_path, 1 * GiB)  # less than the reserve: pinning nothing still fits
     assert hostmem.check_fits(0, ranks=8, root=str(tmp_path)).fits

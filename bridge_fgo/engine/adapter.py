@@ -134,6 +134,18 @@ class BuiltinAdapter:
     def saving(self):
         return self.engine.snapshot.saving() if self.chunk_mb else contextlib.nullcontext()
 
+    def room_beside_a_pending_save(self) -> Optional[str]:
+        """Why this rank cannot hold a second copy of the host states beside a save still being written (None: it
+        can; a kept snapshot's second set is made for it then: streamed/snapshot.py, make_other)."""
+        if not self.chunk_mb or self.engine.buffer is None:
+            return None
+        return self.engine.snapshot.make_other(self.engine.buffer.nbytes, in_shm=self.snapshot == "shm")
+
+    def beside_a_pending_save(self, agreed: bool) -> None:
+        """The ranks' answer to room_beside_a_pending_save(): the next save uses the snapshot's other set, or not."""
+        if self.chunk_mb:
+            self.engine.snapshot.alternate(agreed)
+
     def checkpoint_io(self):
         return self.engine.checkpoint_io() if self.chunk_mb else contextlib.nullcontext()
 

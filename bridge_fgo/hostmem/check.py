@@ -66,7 +66,8 @@ class HostFit:
         if self.snapshot_per_rank:
             per_rank += (f" + {fmt_bytes(self.snapshot_per_rank)} per rank for asynchronous checkpoint saves (the "
                          "snapshot of the host states their writer is handed; kept for the run where the states are "
-                         "saved dp_reshardable or fsdp_dtensor)")
+                         "saved dp_reshardable or fsdp_dtensor; a second one only where saves overlap and every local "
+                         "rank has room for it then)")
         if self.load_per_rank:
             per_rank += f" + {fmt_bytes(self.load_per_rank)} per rank while a checkpoint load makes states ({LOAD})"
         head = (f"host memory: {per_rank} x {self.local_ranks} local rank(s) ({self.local_ranks_source}) = "
@@ -157,3 +158,26 @@ def _shm(total: int, in_shm: bool, root: Optional[str]):
             f"tensors through CUDA IPC instead). A full /dev/shm fails the save (SIGBUS or ENOSPC) hours into the "
             f"run; refused before anything was pinned. Fix: {SHM_FIXES}.")
     return free, f"/dev/shm ({path}): {fmt_bytes(total)} of asynchronous saves' copies, {fmt_bytes(free)} free: fits"
+
+
+def room_for(bytes_per_rank: int, *, in_shm: bool = False, env: Optional[Mapping[str, str]] = None,
+             root: Optional[str] = None) -> Optional[str]:
+    """Why `bytes_per_rank` more on every local rank does not fit now (None: it fits), for memory made while
+    training runs (a second snapshot of the host states for an asynchronous save that starts beside a pending
+    one): what is available now, less the same reserve as the check before the first step, and /dev/shm's
+    free bytes when `in_shm`. Unknown figures do not fit. Every local rank must ask before any of them makes it."""
+    lr = local_ranks(env)
+    total = bytes_per_rank * lr.count
+    mem = available.host_memory(root)
+    if mem is None:
+        return f"the host memory available is unknown (no MemAvailable in {under(root, 'proc/meminfo')})"
+    reserve = reserve_for(mem.bytes)
+    if total + reserve > mem.bytes:
+        return (f"{fmt_bytes(bytes_per_rank)} x {lr.count} local rank(s) = {fmt_bytes(total)} plus the reserve of "
+                f"{fmt_bytes(reserve)} is more than the {fmt_bytes(mem.bytes)} available ({mem.source}: {mem.detail})")
+    if in_shm:
+        free = available.shm_free(root)
+        if free is None or total > free:
+            return (f"/dev/shm ({under(root, 'dev/shm')}) has "
+                    f"{'an unknown amount' if free is None else fmt_bytes(free)} free for {fmt_bytes(total)}")
+    return None

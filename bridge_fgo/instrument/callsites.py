@@ -298,7 +298,8 @@ class CallSites:
         # the buffer out of the count taken before it
         self.synchronize()
         buffers = [b for s in sessions for b in s.adapter.host_buffers()]
-        saves.finish_pending(state, sum(b.nbytes for b in buffers if not b.freed))  # one snapshot at a time
+        # a save still being written: a second copy beside it where every rank has room, else it is finished first
+        saves.finish_pending(state, sessions, sum(b.nbytes for b in buffers if not b.freed))
         watch = saves.Watch(buffers, [t for s in sessions for t in s.adapter.host_tensors()])
         with contextlib.ExitStack() as stack:  # the writer handed each session's kept snapshot, where it has one
             for session in sessions:

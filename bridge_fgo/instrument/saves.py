@@ -61,23 +61,39 @@ def watched(cfg, options: Options) -> bool:
     return options.offload == "builtin" and bool(options.chunk_mb) and snapshot_route(cfg) is not None
 
 
-def finish_pending(state, nbytes: int) -> None:
-    """Before an asynchronous save of the streamed step's states, on every rank: a save still being
-    written holds its writer's copy of the host states (`nbytes` per rank), and the host-memory check
-    planned one such copy. Bridge starts the next save anyway ("Starting a checkpoint save before
-    previous has finished"), which would hold a second copy beside the first (an 887M model saved every
-    4 iterations of 0.8 s: 19.8 GiB of /dev/shm for a 9.9 GiB snapshot, H100, 2026-11-26). So the pending
-    save is finished first, said once. The ranks agree first: finalizing is collective."""
+def finish_pending(state, sessions, nbytes: int) -> None:
+    """Before an asynchronous save of the streamed step's states, on every rank. A save still being written
+    holds its writer's copy of the host states (`nbytes` per rank; a kept snapshot: one of its two sets), and
+    Bridge starts the next save anyway ("Starting a checkpoint save before previous has finished"), which holds
+    a second copy beside the first, as it does without offload. The host-memory check before the first step
+    planned one copy; the second is checked now on every rank (each session's room_beside_a_pending_save: every
+    local rank's share, with the same reserve), and made there once for a kept snapshot. Where a rank has no room
+    for it, or two saves are pending, the pending saves are finished first, said once (without that, an 887M
+    model saved every 4 iterations of 0.8 s held 19.8 GiB of /dev/shm for a 9.9 GiB snapshot, H100,
+    2026-11-26). The ranks agree first: finalizing is collective."""
     queue = getattr(state, "async_calls_queue", None)
-    pending = bool(queue is not None and queue.get_num_unfinalized_calls())
-    if not any(agree.gather("pending" if pending else None)):
+    pending = queue.get_num_unfinalized_calls() if queue is not None else 0
+    why = None
+    if pending == 1:
+        why = next((w for w in (s.adapter.room_beside_a_pending_save() for s in sessions) if w is not None), None)
+    elif pending > 1:
+        why = f"{pending} saves are still being written, each from its own copy"
+    # per rank: None (nothing pending), "" (one pending, room for a second copy), or why not
+    verdicts = agree.gather(None if not pending else (why or ""))
+    if all(v is None for v in verdicts):
         return
+    agreed = not any(verdicts)
+    for session in sessions:
+        session.adapter.beside_a_pending_save(agreed)
+    if agreed:
+        return
+    reason = why or "; ".join(f"rank {r}: {v}" for r, v in enumerate(verdicts) if v)
     once(("async-save-overlap",), logging.WARNING,
-         "%scfg.checkpoint.async_save: a checkpoint save started while the previous one was still being written; "
-         "each holds its own copy of the optimizer states in host memory (%s per rank, planned once by the "
-         "host-memory check), so the previous save is finished before the next one starts (on every rank, every "
-         "such save). Fix: a cfg.checkpoint.save_interval longer than a save takes to write",
-         rank_prefix(), fmt_bytes(nbytes))
+         "%scfg.checkpoint.async_save: a checkpoint save started while the previous one was still being written, "
+         "and a second copy of the optimizer states in host memory (%s per rank) cannot be held beside the first "
+         "(%s), so the previous save is finished before the next one starts (on every rank, every such save). "
+         "Fix: a cfg.checkpoint.save_interval longer than a save takes to write, or more host memory",
+         rank_prefix(), fmt_bytes(nbytes), reason)
     _finish(state, "an asynchronous checkpoint save is in flight on another rank")
 
 

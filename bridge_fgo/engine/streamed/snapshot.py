@@ -15,9 +15,13 @@ With it (read in nvidia-resiliency-ext 0.6.0 and Megatron-Core 0.19.2):
 - so a save copies the host states once, at memcpy speed, from several threads, into pages faulted in long
   before (by a thread started at prepare()), or, at the first save after a checkpoint load, just before.
 
-One snapshot, reused: the save_checkpoint call site finishes a pending asynchronous save before the next
-starts (instrument/saves.py, finish_pending), so no writer still reads the snapshot when the next save
-rewrites it, and the next optimizer steps write the pinned buffer, never the snapshot. Only the states
+One snapshot, reused, and a second one where saves overlap: a save that starts while the previous one is
+still being written (Bridge starts it: "Starting a checkpoint save before previous has finished") gets a second
+set of tensors, made then, once, where every local rank has the room for it now (hostmem.room_for), and the
+saves alternate between the two from then on, as without offload each pending save holds its own copy. Where
+there is no room, or two saves are pending, the save_checkpoint call site finishes the pending ones first
+(instrument/saves.py, finish_pending). So no writer still reads a set when a save rewrites it, and the next
+optimizer steps write the pinned buffer, never a snapshot. Only the states
 handed to the writer as whole host views are served this way (dp_reshardable, Bridge's default, and
 Megatron-FSDP's fsdp_dtensor, whose DTensors are presented over the snapshot for the save: stand_in);
 fully_reshardable hands it gathered copies, which it clones as without offload, and so is a part of a view
@@ -25,7 +29,7 @@ fully_reshardable hands it gathered copies, which it clones as without offload, 
 
 Route "shm" (the persistent worker): shared storages, /dev/shm checked for them before the first step;
 "memory" (Megatron-Core's forked worker reads this process's pages): ordinary tensors. Both are counted
-by the host-memory check (snapshot_per_rank).
+by the host-memory check (snapshot_per_rank); a second set by hostmem.room_for, when it is made.
 """
 from __future__ import annotations
 
@@ -50,6 +54,8 @@ class Snapshot:
         self.plan = plan
         self.route: Optional[str] = None  # set by the adapter: keep a snapshot for this run's saves
         self.tensors: Dict[int, Tuple[object, object]] = {}  # id(entry) -> (entry, its snapshot tensor)
+        self._other: Dict[int, Tuple[object, object]] = {}  # the second set, where saves overlap (make_other)
+        self._other_new = False  # made for the save being decided (let go if the ranks finish the pending one)
         self.nbytes = 0
         self._faulting: Optional[threading.Thread] = None
         self.fault_s = 0.0    # the background fault-in's own time
@@ -85,35 +91,78 @@ class Snapshot:
         self.fault_in()
 
     def _make(self) -> None:
-        import torch
-
-        entries = [e for _, _, e in self.plan.streamed_entries() if e.nbytes and e.host is not None]
-        why = self._fd_room(len(entries)) if self.route == SHM else None
-        if why is None:
-            try:
-                made = {}
-                for e in entries:  # (a shared storage is allocated whole here: posix_fallocate in /dev/shm)
-                    if self.route == SHM:
-                        t = torch.empty(0, dtype=e.dtype).set_(torch.UntypedStorage._new_shared(e.nbytes), 0, e.shape)
-                    else:
-                        t = torch.empty(e.shape, dtype=e.dtype)
-                    made[id(e)] = (e, t)
-                self.tensors = made
-            except (RuntimeError, OSError) as exc:
-                why = f"{type(exc).__name__}: {exc}"
+        made, why = self._build()
         if why is not None:
-            self.tensors = {}
             once(("snapshot-unmade",), logging.WARNING,
                  "%scfg.checkpoint.async_save: the snapshot of the optimizer states kept for asynchronous saves "
                  "could not be made (%s); every such save copies them as the checkpoint writer does (twice, into "
                  "fresh pages: a longer stall)", rank_prefix(), why)
             return
+        self.tensors = made
         self.nbytes = sum(e.nbytes for e, _ in self.tensors.values())
         logger.info("%sasynchronous checkpoint saves: a snapshot of the host states kept for the run, %d tensor(s), "
                     "%s in %s, its pages faulted in from several threads; each save copies the states into it "
                     "once and hands it to the writer, which neither clones nor moves it", rank_prefix(),
-                    len(self.tensors), fmt_bytes(self.nbytes),
-                    "/dev/shm (shared memory)" if self.route == SHM else "this process's memory")
+                    len(self.tensors), fmt_bytes(self.nbytes), self._where())
+
+    def _where(self) -> str:
+        return "/dev/shm (shared memory)" if self.route == SHM else "this process's memory"
+
+    def _build(self) -> Tuple[Dict[int, Tuple[object, object]], Optional[str]]:
+        """One tensor per streamed entry with host bytes ({} and why not, where they cannot be made)."""
+        import torch
+
+        entries = [e for _, _, e in self.plan.streamed_entries() if e.nbytes and e.host is not None]
+        why = self._fd_room(len(entries)) if self.route == SHM else None
+        if why is not None:
+            return {}, why
+        made = {}
+        try:
+            for e in entries:  # (a shared storage is allocated whole here: posix_fallocate in /dev/shm)
+                if self.route == SHM:
+                    t = torch.empty(0, dtype=e.dtype).set_(torch.UntypedStorage._new_shared(e.nbytes), 0, e.shape)
+                else:
+                    t = torch.empty(e.shape, dtype=e.dtype)
+                made[id(e)] = (e, t)
+        except (RuntimeError, OSError) as exc:
+            return {}, f"{type(exc).__name__}: {exc}"
+        return made, None
+
+    # -- a second set, where saves overlap ------------------------------------------------------------
+    def make_other(self, nbytes: int, in_shm: bool) -> Optional[str]:
+        """Before a save that starts while the previous one is still being written (its writer reads the current
+        set): why this rank cannot hold a second copy of the host states beside it now (None: it can). With a
+        snapshot, the second set exists or is made here (its pages faulted in by the save's copy into it), after
+        hostmem.room_for; without one, the writer copies `nbytes` itself (`in_shm`: through /dev/shm), checked the
+        same way. Every rank asks before the ranks agree (instrument/saves.py); then alternate()."""
+        from ... import hostmem
+
+        self._ready()
+        if self._other:
+            return None
+        why = hostmem.room_for(self.nbytes if self.tensors else nbytes, in_shm=self.route == SHM if self.tensors
+                               else in_shm)
+        if why is not None or not self.tensors:
+            return why
+        made, why = self._build()
+        if why is not None:
+            return f"the second snapshot could not be made ({why})"
+        self._other, self._other_new = made, True
+        logger.info("%sasynchronous checkpoint saves: a save started while the previous one was still being written "
+                    "from the snapshot, so a second snapshot was made for it (%d tensor(s), %s in %s, room checked "
+                    "on every local rank); the saves alternate between the two from now on, as without offload each "
+                    "pending save holds its own copy", rank_prefix(), len(made), fmt_bytes(self.nbytes), self._where())
+        return None
+
+    def alternate(self, agreed: bool) -> None:
+        """After make_other() on every rank: `agreed` (every rank has the room), the next save uses the other set
+        and the pending one goes on reading this one; otherwise a set made for this save is let go (the pending
+        save is finished instead, and the next save rewrites this set)."""
+        if agreed and self._other:
+            self.tensors, self._other = self._other, self.tensors
+        elif self._other_new:
+            self._other = {}
+        self._other_new = False
 
     def fault_in(self) -> None:
         """The snapshot's pages faulted in by a background thread, once; made there first where allocate()
@@ -175,6 +224,7 @@ class Snapshot:
         """Let the snapshot go (the end of training, close): a save still writing it holds its own references."""
         self._ready()
         self.tensors, self.nbytes, self._taken, self._unfaulted, self._later = {}, 0, False, False, False
+        self._other, self._other_new = {}, False
 
     # -- each save -----------------------------------------------------------------------------------
     @contextlib.contextmanager
