@@ -82,14 +82,34 @@ def instrument(saves, finalizes):
         if forced:  # this save synchronous: async_save off for the call only (the queue stays as it was)
             ckpt.async_save = False
         before = host_figures()
+        finishing = []  # the time the save spent finishing pending saves (the queue finalized inside the call)
+        finalize_calls = getattr(queue, "maybe_finalize_async_calls", None) if pending else None
+        timed = finalize_calls is not None
+        if timed:
+            own = queue.__dict__.get("maybe_finalize_async_calls")
+
+            def timed_calls(*a, **k):
+                t = time.perf_counter()
+                try:
+                    return finalize_calls(*a, **k)
+                finally:
+                    finishing.append(time.perf_counter() - t)
+
+            queue.maybe_finalize_async_calls = timed_calls
         t0 = time.perf_counter()
         try:
             out = save(*args, **kwargs)
         finally:
             if forced:
                 ckpt.async_save = True
+            if timed:  # the queue's finalize as it was
+                if own is None:
+                    del queue.maybe_finalize_async_calls
+                else:
+                    queue.maybe_finalize_async_calls = own
         record = {"iteration": iteration, "async": bool(getattr(ckpt, "async_save", False)) and not forced,
-                  "pending_before": pending, "save_s": time.perf_counter() - t0}
+                  "pending_before": pending, "save_s": time.perf_counter() - t0,
+                  "finishing_pending_s": sum(finishing)}
         record.update({f"{k}_before": v for k, v in before.items()})
         record.update({f"{k}_after": v for k, v in host_figures().items()})
         saves.append(record)
@@ -205,9 +225,10 @@ def summarize(recs, saves, finalizes):
     return {
         "saves": saves, "finalizes": finalizes,
         "save_stall_median_s": statistics.median(stalls) if stalls else None,
-        # issue 43: the first asynchronous save, the next one (it finishes the first where that is pending),
+        # issue 43: the first asynchronous save, the next one (beside the first, or finishing it first, where pending),
         # the synchronous ones (BENCH_SYNC_AT)
         "async_stalls_s": [s["save_s"] for s in saves if s.get("async")],
+        "async_finishing_s": [s.get("finishing_pending_s") for s in saves if s.get("async")],  # of each stall
         "sync_saves_s": [s["save_s"] for s in saves if not s.get("async", True)],
         "save_stall_max_s": max(stalls) if stalls else None,
         "after_save_step_median_s": statistics.median(after) if after else None,

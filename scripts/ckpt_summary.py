@@ -45,6 +45,7 @@ def figures(s):
         "load_s": s.get("load_s"), "load_pin_s": s.get("load_pin_s"),
         "first_after_load_s": s.get("first_iter_after_load_s"), "steady_s": s.get("steady_after_first_median_s"),
         "async_first_s": stalls[0] if stalls else None, "async_next_s": stalls[1] if len(stalls) > 1 else None,
+        "async_next_finishing_s": (s.get("async_finishing_s") or [None, None])[1] if len(stalls) > 1 else None,
         "sync_save_s": syncs[0] if syncs else None,
         "rss_peak_gib": s.get("host_peak_rss_gib"), "shm_max_gib": s.get("max_shm_used_gib"),
     }
@@ -99,7 +100,8 @@ KEYS = (("setup_s", "model-and-optimizer setup"), ("setup_pin_s", "  of which pi
         ("load_s", "load"), ("load_pin_s", "  of which pinning (first touch, then any wait for cudaHostRegister)"),
         ("first_after_load_s", "first iteration after the load"), ("steady_s", "steady step"),
         ("async_first_s", "async save stall, first"),
-        ("async_next_s", "async save stall, the next (finishes the first)"),
+        ("async_next_s", "async save stall, the next (beside the first)"),
+        ("async_next_finishing_s", "  of which finishing the pending save"),
         ("sync_save_s", "sync save"), ("rss_peak_gib", "host RSS peak"), ("shm_max_gib", "/dev/shm at most"))
 
 

@@ -106,10 +106,12 @@ def test_the_saves_named_in_bench_sync_at_are_synchronous(monkeypatch):
     assert len(s["async_stalls_s"]) == 2 and len(s["sync_saves_s"]) == 1
 
 
-def fake_run(path, setup, load, first, steady, stalls, sync, pins=(), rank1=None):
+def fake_run(path, setup, load, first, steady, stalls, sync, pins=(), rank1=None, finishing=None):
     s = {"setup_s": setup, "load_s": load, "first_iter_after_load_s": first, "steady_after_first_median_s": steady,
          "async_stalls_s": list(stalls), "sync_saves_s": [sync], "host_peak_rss_gib": 12.0, "max_shm_used_gib": 5.0,
          "pins": list(pins), "setup_pin_s": sum(p.get("pin_s", 0) for p in pins)}
+    if finishing is not None:
+        s["async_finishing_s"] = list(finishing)
     with open(path, "w") as f:
         json.dump({"summary": s}, f)
     if rank1 is not None:
@@ -125,7 +127,7 @@ def test_the_summary_gives_medians_spread_and_each_target(tmp_path):
         fake_run(str(tmp_path / f"dp2-dp_base_r{rep}.json"), 1.0, 10.0, 0.4, 0.4, (6.0, 9.45), 12.0)
         # data-parallel: the slower rank counts (rank 1's load here)
         fake_run(str(tmp_path / f"dp2-dp_builtin_r{rep}.json"), 1.0, 10.0, 0.4, 0.4, (9.88, 16.13), 12.0,
-                 rank1={"load_s": 15.1})
+                 rank1={"load_s": 15.1}, finishing=(0.0, 6.5))
     (tmp_path / "one-dp_compare.json").write_text(json.dumps([{"iteration": 4, "identical": True},
                                                               {"iteration": 8, "identical": True}]))
     (tmp_path / "dp2-dp_compare.json").write_text(json.dumps([{"iteration": 4, "identical": False,
@@ -140,6 +142,9 @@ def test_the_summary_gives_medians_spread_and_each_target(tmp_path):
     assert ("setup adds 0.300 s; allowed: the masters over the link 0.100 s (at 45.0 GB/s) + the pinning 0.200 s "
             "(MET)") in text
     assert "iteration 4: DIFFER ['optimizer.x']" in text
+    # where the next save finished the pending one, how long that took (recorded by bench_saves.instrument)
+    assert [line for line in text.splitlines() if "of which finishing the pending save" in line and
+            "builtin 6.500 s (6.500-6.500, n=3)" in line]
     # the first iteration after a load, beside the same ratio without offload
     assert "without offload: 1.20x its steady step; builtin's first iteration / base's: 1.03x" in text
 

@@ -5,6 +5,7 @@ checkpoints compared entry by entry then pruned (real torch.distributed.checkpoi
 import importlib
 import os
 import sys
+import time
 import types
 
 import pytest
@@ -58,7 +59,12 @@ def test_bridges_save_and_finalize_are_timed_where_the_loop_finds_them(monkeypat
     import megatron.bridge.training.checkpointing as ckpt
 
     calls = []
-    monkeypatch.setattr(ckpt, "save_checkpoint", lambda state, *a, **k: calls.append("save"))
+
+    def save_checkpoint(state, *a, **k):  # finishing the pending save inside the call, as bridge_fgo may
+        state.async_calls_queue.maybe_finalize_async_calls(blocking=True)
+        calls.append("save")
+
+    monkeypatch.setattr(ckpt, "save_checkpoint", save_checkpoint)
     monkeypatch.setattr(ckpt, "maybe_finalize_async_save",
                         lambda global_state, ckpt_cfg, blocking=False, terminate=False: calls.append("finalize"))
     alias = types.ModuleType("megatron.bridge.alias_for_test")
@@ -66,7 +72,10 @@ def test_bridges_save_and_finalize_are_timed_where_the_loop_finds_them(monkeypat
     monkeypatch.setitem(sys.modules, alias.__name__, alias)
     recorded, finalized = [], []
     saves.instrument(recorded, finalized)
-    queue = types.SimpleNamespace(get_num_unfinalized_calls=lambda: 1)
+    def finish(blocking=False):
+        time.sleep(0.02)
+
+    queue = types.SimpleNamespace(get_num_unfinalized_calls=lambda: 1, maybe_finalize_async_calls=finish)
     state = types.SimpleNamespace(train_state=types.SimpleNamespace(step=4), async_calls_queue=queue,
                                   cfg=types.SimpleNamespace(checkpoint=types.SimpleNamespace(async_save=True)))
     alias.save_checkpoint(state, "model", "optimizer")
@@ -75,7 +84,8 @@ def test_bridges_save_and_finalize_are_timed_where_the_loop_finds_them(monkeypat
     ckpt.maybe_finalize_async_save(state, None, False)  # nothing pending: not recorded
     assert calls == ["save", "finalize", "finalize"]
     (s,) = recorded
-    assert s["iteration"] == 4 and s["async"] and s["save_s"] >= 0 and s["rss_gib_before"] > 0
+    assert s["iteration"] == 4 and s["async"] and s["save_s"] >= s["finishing_pending_s"] >= 0.02
+    assert s["rss_gib_before"] > 0 and queue.maybe_finalize_async_calls is finish  # the queue as it was
     assert "mem_available_gib_after" in s and "shm_used_gib_before" in s
     (f,) = finalized
     assert f["iteration"] == 4 and f["blocking"] and f["pending"] == 1 and f["finalize_s"] >= 0

@@ -9,8 +9,9 @@
 # Issue 43: checkpoint I/O with and without offload. Per group, one base run saves a checkpoint at
 # iteration 2 (PREP); then REPS runs of each mode (base, builtin), interleaved, each resumed from it (the
 # load, the first iteration after it, setup), training to 8 and saving every 2 iterations: at 4
-# asynchronously (the first stall), at 6 asynchronously (the next one; with offload it finishes the first
-# if pending), at 8 synchronously (BENCH_SYNC_AT). The first run of each mode keeps its checkpoints, compared
+# asynchronously (the first stall), at 6 asynchronously (the next one; where the first is still pending, with
+# offload it gets a second snapshot, or finishes the first without room: the summary says how long finishing
+# took), at 8 synchronously (BENCH_SYNC_AT). The first run of each mode keeps its checkpoints, compared
 # byte for byte at 4 and 8 (scripts/ckpt_summary.py --compare); every other checkpoint is removed at once.
 # A run is skipped when fewer than MIN_S seconds remain before DEADLINE_S or when its JSON exists (a later
 # call on the same warm machine goes on where the last stopped). Ends with summary.txt (medians, spread,
