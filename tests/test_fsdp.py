@@ -672,6 +672,31 @@ def _bridge_fsdp_async_save(state, opt, path):
     state.async_calls_queue.schedule_async_request(request)
 
 
+def _te_fsdp_rig():
+    """Megatron-FSDP's optimizer with TE's FusedAdam (what users run: its step lives in the param group; torch
+    AdamW's per-parameter step is, in this harness, a CPU tensor of its own, which an asynchronous writer is handed
+    live and the next steps rewrite)."""
+    rig = fsdp_rig(**OPTIMIZERS["te"])
+    rig.model_config.num_moe_experts = None  # (what Megatron-Core's optimizer state dict reads of the model)
+    return rig
+
+
+def _patched_async_fsdp_rig(tmp_path, persistent):
+    """Under the patch, a TE rig saving fsdp_dtensor asynchronously through Bridge's queue (harness.LaterQueue: each
+    request written when the queue is finalized blocking); its save_checkpoint call site."""
+    import types
+
+    from bridge_fgo.instrument import patcher, targets
+
+    bridge_fgo.patch(offload="builtin", chunk_mb=1)
+    rig = _te_fsdp_rig()
+    rig.cfg.checkpoint = types.SimpleNamespace(save=str(tmp_path), load=None, save_optim=True, async_save=True,
+                                               ckpt_format="fsdp_dtensor", use_persistent_ckpt_worker=persistent,
+                                               dist_ckpt_optim_fully_reshardable=False)
+    rig.global_state.async_calls_queue = harness.LaterQueue()
+    return rig, patcher._current.callsites.site(targets.target("save_checkpoint"))
+
+
 @pytest.mark.parametrize("persistent", [False, True])
 def test_an_asynchronous_fsdp_dtensor_save_through_the_call_site_is_not_waited_for(gloo, persistent, tmp_path,
                                                                                   monkeypatch, caplog_fgo):
@@ -679,30 +704,19 @@ def test_an_asynchronous_fsdp_dtensor_save_through_the_call_site_is_not_waited_f
     and Bridge's real train_step: the snapshot kept for the run (in /dev/shm for the persistent worker) is what the
     writer holds, so the save is not finished inside the call; two more steps run before it is written, and the
     checkpoint is its iteration's, equal to a synchronous save without offload."""
-    import types
-
     pytest.importorskip("nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver")
     import torch.distributed.checkpoint as dcp
 
-    from bridge_fgo.instrument import patcher, targets
+    from bridge_fgo.instrument import patcher
 
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     monkeypatch.setattr(torch.cuda, "current_device", lambda *a, **k: "cpu")
-    # TE's FusedAdam (what users run: its step lives in the param group). torch AdamW's per-parameter step is, in
-    # this harness, a CPU tensor of its own, which the writer is handed live and the next steps rewrite
-    ref = fsdp_rig(**OPTIMIZERS["te"])
-    ref.model_config.num_moe_experts = None  # (what Megatron-Core's optimizer state dict reads of the model)
+    ref = _te_fsdp_rig()
     harness.run_steps(ref, steps=2)
     dcp.save(fsdp.checkpoint_state(ref.dist_optimizer), checkpoint_id=tmp_path / "ref")
-    bridge_fgo.patch(offload="builtin", chunk_mb=1)
-    rig = fsdp_rig(**OPTIMIZERS["te"])
-    rig.model_config.num_moe_experts = None
-    rig.cfg.checkpoint = types.SimpleNamespace(save=str(tmp_path), load=None, save_optim=True, async_save=True,
-                                               ckpt_format="fsdp_dtensor", use_persistent_ckpt_worker=persistent,
-                                               dist_ckpt_optim_fully_reshardable=False)
-    rig.global_state.async_calls_queue = queue = harness.LaterQueue()
+    rig, site = _patched_async_fsdp_rig(tmp_path, persistent)
+    queue = rig.global_state.async_calls_queue
     harness.run_steps(rig, steps=2)
-    site = patcher._current.callsites.site(targets.target("save_checkpoint"))
     site(_bridge_fsdp_async_save, None, (rig.global_state, rig.dist_optimizer, tmp_path / "fgo"), {})
     (session,) = patcher._current.callsites.registry.sessions()
     snap = session.adapter.engine.snapshot
@@ -722,30 +736,19 @@ def test_two_pending_fsdp_dtensor_saves_each_write_their_own_iteration(gloo, tmp
     """Two asynchronous fsdp_dtensor saves pending at once (Bridge starts the second before the first is written),
     both written only after the next step: the second is handed the snapshot's second set (made for it, room
     checked), so each checkpoint equals a synchronous save of its iteration without offload."""
-    import types
-
     pytest.importorskip("nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver")
     import torch.distributed.checkpoint as dcp
-
-    from bridge_fgo.instrument import patcher, targets
 
     caplog_fgo.set_level("INFO", logger="bridge_fgo")
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     monkeypatch.setattr(torch.cuda, "current_device", lambda *a, **k: "cpu")
-    ref = fsdp_rig(**OPTIMIZERS["te"])
-    ref.model_config.num_moe_experts = None
+    ref = _te_fsdp_rig()
     harness.run_steps(ref, steps=2)
     dcp.save(fsdp.checkpoint_state(ref.dist_optimizer), checkpoint_id=tmp_path / "ref2")
     harness.run_steps(ref, steps=1)
     dcp.save(fsdp.checkpoint_state(ref.dist_optimizer), checkpoint_id=tmp_path / "ref3")
-    bridge_fgo.patch(offload="builtin", chunk_mb=1)
-    rig = fsdp_rig(**OPTIMIZERS["te"])
-    rig.model_config.num_moe_experts = None
-    rig.cfg.checkpoint = types.SimpleNamespace(save=str(tmp_path), load=None, save_optim=True, async_save=True,
-                                               ckpt_format="fsdp_dtensor", use_persistent_ckpt_worker=True,
-                                               dist_ckpt_optim_fully_reshardable=False)
-    rig.global_state.async_calls_queue = queue = harness.LaterQueue()
-    site = patcher._current.callsites.site(targets.target("save_checkpoint"))
+    rig, site = _patched_async_fsdp_rig(tmp_path, persistent=True)
+    queue = rig.global_state.async_calls_queue
     harness.run_steps(rig, steps=2)
     site(_bridge_fsdp_async_save, None, (rig.global_state, rig.dist_optimizer, tmp_path / "fgo2"), {})
     harness.run_steps(rig, steps=1)
