@@ -240,3 +240,65 @@ def test_check_on_every_rank_then_agree(tmp_path):
                  "only 1.00 GiB (1073741824 bytes) is available (MemAvailable", roots[1]):
         assert part in msg, part
     assert roots[0] not in msg and roots[2] not in msg  # ranks 0 and 2 fit: no message of theirs
+
+
+# -- a save started beside a pending one: every rank's room, one decision --------------------------------
+
+class _Adapter:
+    def __init__(self, room):
+        self.room, self.told = room, []
+
+    def room_beside_a_pending_save(self):
+        return self.room
+
+    def beside_a_pending_save(self, agreed):
+        self.told.append(agreed)
+
+
+class _Queue:
+    def __init__(self):
+        self.finished = []
+
+    def get_num_unfinalized_calls(self):
+        return 1
+
+    def maybe_finalize_async_calls(self, blocking=False, no_dist=False):
+        self.finished.append(blocking)
+
+
+def _overlap_main(rank, world, port, out_dir, rooms):
+    """One rank of an asynchronous save started while the previous one is pending on every rank: this rank's room
+    for a second copy is rooms[rank] (None: it has room); saves.finish_pending over the real gloo group."""
+    import logging
+    import types
+
+    from bridge_fgo.instrument import saves
+
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("bridge_fgo").addHandler(handler)
+    with gloo_group(rank, world, port):
+        adapter, queue = _Adapter(rooms[rank]), _Queue()
+        saves.finish_pending(types.SimpleNamespace(async_calls_queue=queue),
+                             [types.SimpleNamespace(adapter=adapter)], 4096)
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump({"told": adapter.told, "finished": queue.finished, "said": said}, f)
+
+
+@pytest.mark.parametrize("rooms", [(None, None), (None, "1.00 GiB available")], ids=["room", "no-room-on-rank-1"])
+def test_a_save_beside_a_pending_one_is_decided_once_for_every_rank(tmp_path, rooms):
+    """With room for a second copy on every rank, every rank goes on beside the pending save (the snapshot's other
+    set); where one rank has none, every rank finishes the pending save (finishing is collective), each saying
+    why once, with that rank's figures."""
+    results = run_ranks_with(_overlap_main, tmp_path, list(rooms), world=2, preload=["test_agree"])
+    room = rooms[1] is None
+    assert [r["told"] for r in results] == [[room], [room]]
+    assert [r["finished"] for r in results] == ([[], []] if room else [[True], [True]])
+    said = [r["said"] for r in results]
+    if room:
+        assert said == [[], []]
+    else:
+        assert len(said[0]) == 1 and "(rank 1: 1.00 GiB available)" in said[0][0] and "save_interval" in said[0][0]
+        assert len(said[1]) == 1 and "(1.00 GiB available)" in said[1][0]
+
