@@ -27,11 +27,13 @@ with offload the load's copies land in host memory through torch's CPU copy (doc
 
 Importing this module imports neither torch nor Megatron.
 """
+import contextlib
 import os
 import re
 import shutil
 import statistics
 import time
+from unittest import mock
 
 GIB = 2**30
 KINDS = ("sync", "async")
@@ -84,31 +86,26 @@ def instrument(saves, finalizes):
         before = host_figures()
         finishing = []  # the time the save spent finishing pending saves (the queue finalized inside the call)
         finalize_calls = getattr(queue, "maybe_finalize_async_calls", None) if pending else None
-        timed = finalize_calls is not None
-        if timed:
-            own = queue.__dict__.get("maybe_finalize_async_calls")
 
-            def timed_calls(*a, **k):
-                t = time.perf_counter()
-                try:
-                    return finalize_calls(*a, **k)
-                finally:
-                    finishing.append(time.perf_counter() - t)
+        def timed_calls(*a, **k):
+            t = time.perf_counter()
+            try:
+                return finalize_calls(*a, **k)
+            finally:
+                finishing.append(time.perf_counter() - t)
 
-            queue.maybe_finalize_async_calls = timed_calls
-        t0 = time.perf_counter()
-        try:
-            out = save(*args, **kwargs)
-        finally:
-            if forced:
-                ckpt.async_save = True
-            if timed:  # the queue's finalize as it was
-                if own is None:
-                    del queue.maybe_finalize_async_calls
-                else:
-                    queue.maybe_finalize_async_calls = own
+        with contextlib.ExitStack() as stack:
+            if finalize_calls is not None:
+                stack.enter_context(mock.patch.object(queue, "maybe_finalize_async_calls", timed_calls))
+            t0 = time.perf_counter()
+            try:
+                out = save(*args, **kwargs)
+            finally:
+                save_s = time.perf_counter() - t0
+                if forced:
+                    ckpt.async_save = True
         record = {"iteration": iteration, "async": bool(getattr(ckpt, "async_save", False)) and not forced,
-                  "pending_before": pending, "save_s": time.perf_counter() - t0,
+                  "pending_before": pending, "save_s": save_s,
                   "finishing_pending_s": sum(finishing)}
         record.update({f"{k}_before": v for k, v in before.items()})
         record.update({f"{k}_after": v for k, v in host_figures().items()})

@@ -133,15 +133,14 @@ class Snapshot:
         """Before a save that starts while the previous one is still being written (its writer reads the current
         set): why this rank cannot hold a second copy of the host states beside it now (None: it can). With a
         snapshot, the second set exists or is made here (its pages faulted in by the save's copy into it), after
-        hostmem.room_for; without one, the writer copies `nbytes` itself (`in_shm`: through /dev/shm), checked the
-        same way. Every rank asks before the ranks agree (instrument/saves.py); then alternate()."""
+        hostmem.room_for; without one, the writer copies `nbytes` itself, checked the same way (`in_shm`: through
+        /dev/shm, the persistent worker's route). Every rank asks before the ranks agree (instrument/saves.py); then alternate()."""
         from ... import hostmem
 
         self._ready()
         if self._other:
             return None
-        why = hostmem.room_for(self.nbytes if self.tensors else nbytes, in_shm=self.route == SHM if self.tensors
-                               else in_shm)
+        why = hostmem.room_for(self.nbytes or nbytes, in_shm=in_shm)
         if why is not None or not self.tensors:
             return why
         made, why = self._build()
