@@ -24,6 +24,9 @@ run measures both kinds; each save records whether a save was pending when it st
 BENCH_LOAD_THREADS=N: torch's intra-op threads are N during Bridge's "load-checkpoint" timer (restored at its
 stop), recorded as load_threads (with the count before): torchrun starts each rank with OMP_NUM_THREADS=1, and
 with offload the load's copies land in host memory through torch's CPU copy (docs/benchmarks.md#gpu-2026-11-28e).
+BENCH_PROFILE_LOAD=N: the training thread is profiled (cProfile) while Bridge's "load-checkpoint" timer runs,
+and the N functions of most cumulative and of most own time are recorded as load_profile: where a load's
+seconds go, with offload and without (issue 43). It slows the load a little in both: not for timed runs.
 
 Importing this module imports neither torch nor Megatron.
 """
@@ -141,6 +144,9 @@ def instrument_setup(held):
     load_threads = os.environ.get("BENCH_LOAD_THREADS")
     if load_threads is not None and not (load_threads.isdigit() and int(load_threads) > 0):
         raise SystemExit(f"BENCH_LOAD_THREADS={load_threads!r}: a positive integer (torch's threads during a load)")
+    profile_top = os.environ.get("BENCH_PROFILE_LOAD")
+    if profile_top is not None and not (profile_top.isdigit() and int(profile_top) > 0):
+        raise SystemExit(f"BENCH_PROFILE_LOAD={profile_top!r}: a positive integer (how many functions to record)")
 
     def timed_start(self, barrier=False):
         held["running"].append(self.name)
@@ -149,10 +155,19 @@ def instrument_setup(held):
 
             held["load_threads"] = {"before": torch.get_num_threads(), "during": int(load_threads)}
             torch.set_num_threads(int(load_threads))
-        return start(self, barrier)
+        out = start(self, barrier)
+        if profile_top and self.name == "load-checkpoint":
+            import cProfile
+
+            held["profiler"] = cProfile.Profile()
+            held["profiler"].enable()
+        return out
 
     def timed_stop(self, barrier=False):
         before = self._elapsed
+        if self.name == "load-checkpoint" and "profiler" in held:
+            held["profiler"].disable()
+            held["load_profile"] = profile_lines(held.pop("profiler"), int(profile_top))
         try:
             out = stop(self, barrier)
         finally:
@@ -195,6 +210,16 @@ def instrument_setup(held):
     hostmem.pin, pinning.PinnedHost.wait = timed_pin, timed_wait
 
 
+def profile_lines(profiler, top):
+    """The `top` functions of most cumulative and of most own time: [calls, own s, cumulative s, where]."""
+    import pstats
+
+    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (primitive calls, calls, own, cumulative, callers)
+    rows = [[nc, round(tt, 4), round(ct, 4), f"{os.path.basename(f)}:{line}({name})"]
+            for (f, line, name), (_, nc, tt, ct, _) in stats.items()]
+    return {"cumulative": sorted(rows, key=lambda r: -r[2])[:top], "own": sorted(rows, key=lambda r: -r[1])[:top]}
+
+
 def setup_figures(held, recs):
     """The summary's part about setup and loads."""
     pins = held.get("pins", [])
@@ -203,6 +228,7 @@ def setup_figures(held, recs):
     return {
         "setup_s": t.get("model-and-optimizer-setup"), "load_s": t.get("load-checkpoint"),
         "load_threads": held.get("load_threads"),
+        "load_profile": held.get("load_profile"),
         "pins": pins,
         "setup_pin_s": sum(p.get("pin_s", 0.0) for p in pins if p["during"] == "model-and-optimizer-setup"),
         "load_pin_s": sum(p.get("pin_s", 0.0) + p.get("waited_s", 0.0) for p in pins

@@ -85,6 +85,35 @@ def test_bench_load_threads_sets_torchs_threads_for_the_load_only(restore_patche
         saves.instrument_setup({})
 
 
+def _work_during_the_load():
+    return sum(i * i for i in range(20000))
+
+
+def test_bench_profile_load_records_where_the_load_went(restore_patched, monkeypatch):
+    from megatron.core import timers
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setenv("BENCH_PROFILE_LOAD", "4")
+    held = {}
+    saves.instrument_setup(held)
+    t = timers.Timers(0, "minmax")
+    t("model-and-optimizer-setup", log_level=0).start()
+    t("model-and-optimizer-setup").stop()
+    t("load-checkpoint", log_level=0).start()
+    _work_during_the_load()
+    t("load-checkpoint").stop()
+    _work_during_the_load()  # after the load: not profiled
+    got = saves.setup_figures(held, [])["load_profile"]
+    assert set(got) == {"cumulative", "own"} and all(1 <= len(rows) <= 4 for rows in got.values())
+    (work,) = [r for r in got["cumulative"] if r[3].endswith("(_work_during_the_load)")]
+    assert work[0] == 1 and work[2] >= work[1] >= 0  # one call, its cumulative time at least its own
+    assert work[3].startswith("test_bench_ckpt.py:")
+    monkeypatch.setenv("BENCH_PROFILE_LOAD", "0")
+    with pytest.raises(SystemExit, match="BENCH_PROFILE_LOAD='0': a positive integer"):
+        saves.instrument_setup({})
+
+
 def test_the_saves_named_in_bench_sync_at_are_synchronous(monkeypatch):
     import megatron.bridge.training.checkpointing as ckpt
 
