@@ -27,6 +27,9 @@ with offload the load's copies land in host memory through torch's CPU copy (doc
 BENCH_PROFILE_LOAD=N: the training thread is profiled (cProfile) while Bridge's "load-checkpoint" timer runs,
 and the N functions of most cumulative and of most own time are recorded as load_profile: where a load's
 seconds go, with offload and without (issue 43). It slows the load a little in both: not for timed runs.
+BENCH_LOAD_REGISTER=before: the host buffer a load prepares is registered (cudaHostRegister) before the load
+instead of beside its reads (bridge_fgo's pin(defer=True) called without defer): does the registration slow
+the load's reads? (issue 43; recorded as load_register and in each pin's "deferred")
 
 Importing this module imports neither torch nor Megatron.
 """
@@ -144,6 +147,10 @@ def instrument_setup(held):
     load_threads = os.environ.get("BENCH_LOAD_THREADS")
     if load_threads is not None and not (load_threads.isdigit() and int(load_threads) > 0):
         raise SystemExit(f"BENCH_LOAD_THREADS={load_threads!r}: a positive integer (torch's threads during a load)")
+    register = os.environ.get("BENCH_LOAD_REGISTER")
+    if register not in (None, "before"):
+        raise SystemExit(f"BENCH_LOAD_REGISTER={register!r}: 'before' (or unset: beside the load, bridge_fgo's way)")
+    held["load_register"] = register or "beside"
     profile_top = os.environ.get("BENCH_PROFILE_LOAD")
     if profile_top is not None and not (profile_top.isdigit() and int(profile_top) > 0):
         raise SystemExit(f"BENCH_PROFILE_LOAD={profile_top!r}: a positive integer (how many functions to record)")
@@ -191,6 +198,8 @@ def instrument_setup(held):
     pin, wait = hostmem.pin, pinning.PinnedHost.wait
 
     def timed_pin(nbytes, **kw):
+        if register == "before":
+            kw["defer"] = False
         t0 = time.perf_counter()
         buf = pin(nbytes, **kw)
         held["pins"].append({"bytes": nbytes, "pin_s": time.perf_counter() - t0, "deferred": bool(kw.get("defer")),
@@ -229,6 +238,7 @@ def setup_figures(held, recs):
         "setup_s": t.get("model-and-optimizer-setup"), "load_s": t.get("load-checkpoint"),
         "load_threads": held.get("load_threads"),
         "load_profile": held.get("load_profile"),
+        "load_register": held.get("load_register"),
         "pins": pins,
         "setup_pin_s": sum(p.get("pin_s", 0.0) for p in pins if p["during"] == "model-and-optimizer-setup"),
         "load_pin_s": sum(p.get("pin_s", 0.0) + p.get("waited_s", 0.0) for p in pins

@@ -12,7 +12,8 @@ it, the steady step, the first asynchronous save's stall, the next one's, the sy
 RSS peak and /dev/shm; then the targets: async stall, sync save and load each at most 1.1x without offload,
 the first iteration after a load at most 1.1x builtin's steady step, setup at most no offload's plus the
 masters' bytes over the link (--link-gbs) plus the pinning, and the checkpoints identical. Every data-parallel
-figure is the slower rank's.
+figure is the slower rank's. Runs made with BENCH_PROFILE_LOAD (scripts/bench_saves.py) add the functions of
+most own time during the load, medians per mode (rank 0's).
 
 Imports neither torch nor Megatron.
 """
@@ -48,13 +49,15 @@ def figures(s):
         "async_next_finishing_s": (s.get("async_finishing_s") or [None, None])[1] if len(stalls) > 1 else None,
         "sync_save_s": syncs[0] if syncs else None,
         "rss_peak_gib": s.get("host_peak_rss_gib"), "shm_max_gib": s.get("max_shm_used_gib"),
+        # function -> its own seconds during the load, where the run was profiled
+        "load_profile": {r[3]: r[1] for r in (s.get("load_profile") or {}).get("own", [])} or None,
     }
 
 
 def slowest(ranks):
     """Over a run's ranks: the largest of each figure (a data-parallel run waits for its slowest rank)."""
-    out = {}
-    for key in ranks[0]:
+    out = {"load_profile": ranks[0]["load_profile"]}
+    for key in (k for k in ranks[0] if k != "load_profile"):
         vals = [r[key] for r in ranks if r.get(key) is not None]
         out[key] = max(vals) if vals else None
     return out
@@ -105,6 +108,30 @@ KEYS = (("setup_s", "model-and-optimizer setup"), ("setup_pin_s", "  of which pi
         ("sync_save_s", "sync save"), ("rss_peak_gib", "host RSS peak"), ("shm_max_gib", "/dev/shm at most"))
 
 
+def _where(name):
+    """cProfile's name for a built-in, shorter: "~:0(<method 'copy_' of 'torch._C.TensorBase' objects>)" ->
+    "torch._C.TensorBase.copy_", "~:0(<built-in method torch.empty>)" -> "torch.empty"."""
+    m = re.fullmatch(r"~:0\(<method '(\w+)' of '([\w.]+)' objects>\)", name) or \
+        re.fullmatch(r"~:0\(<built-in method ([\w.]+)>\)", name)
+    return (f"{m[2]}.{m[1]}" if m.re.groups == 2 else m[1]) if m else name
+
+
+def profile_lines(modes, top=8):
+    """The functions of most own time during the load, medians over each mode's profiled runs."""
+    per_mode = {mode: [r["load_profile"] for r in modes.get(mode, []) if r["load_profile"]] for mode in ("base", "builtin")}
+    if not any(per_mode.values()):
+        return []
+    medians = {mode: {f: statistics.median(p[f] for p in profs if f in p) for f in {f for p in profs for f in p}}
+               for mode, profs in per_mode.items()}
+    names = sorted({f for m in medians.values() for f in m}, key=lambda f: -max(m.get(f, 0.0) for m in medians.values()))
+    n = {mode: len(profs) for mode, profs in per_mode.items()}
+    lines = [f"  the load's own time by function (median, profiled runs: base {n['base']}, builtin {n['builtin']})"]
+    for f in names[:top]:
+        got = {mode: (f"{medians[mode][f]:.3f} s" if f in medians[mode] else "-") for mode in medians}
+        lines.append(f"    {_where(f)[:44]:44s} base {got['base']:>9s}   builtin {got['builtin']:>9s}")
+    return lines
+
+
 def summarize(results, link_gbs=45.0):
     runs = collect(results)
     lines, verdicts = [], {}
@@ -116,6 +143,7 @@ def summarize(results, link_gbs=45.0):
             unit = "GiB" if key.endswith("gib") else "s"
             lines.append(f"{name:48s} base {fmt(stats['base'][key], unit):32s} "
                          f"builtin {fmt(stats['builtin'][key], unit)}")
+        lines += profile_lines(runs[group])
         base, ours = stats["base"], stats["builtin"]
         checks = []
         for key, name in (("async_first_s", "async stall, first"), ("async_next_s", "async stall, the next"),

@@ -114,6 +114,25 @@ def test_bench_profile_load_records_where_the_load_went(restore_patched, monkeyp
         saves.instrument_setup({})
 
 
+@pytest.mark.parametrize("register, deferred", [(None, True), ("before", False)])
+def test_bench_load_register_before_registers_the_buffer_before_the_load(restore_patched, monkeypatch, register,
+                                                                          deferred):
+    from bridge_fgo import hostmem
+
+    real, calls = hostmem.pin, []
+    monkeypatch.setattr(hostmem, "pin", lambda nbytes, **kw: calls.append(kw) or real(nbytes, **kw))
+    if register:
+        monkeypatch.setenv("BENCH_LOAD_REGISTER", register)
+    held = {}
+    saves.instrument_setup(held)
+    hostmem.pin(4096, defer=True).free()  # as the engine's prepare() before a load asks for it
+    assert calls == [{"defer": deferred}] and held["pins"][0]["deferred"] is deferred
+    assert saves.setup_figures(held, [])["load_register"] == (register or "beside")
+    monkeypatch.setenv("BENCH_LOAD_REGISTER", "after")
+    with pytest.raises(SystemExit, match="BENCH_LOAD_REGISTER='after': 'before'"):
+        saves.instrument_setup({})
+
+
 def test_the_saves_named_in_bench_sync_at_are_synchronous(monkeypatch):
     import megatron.bridge.training.checkpointing as ckpt
 
@@ -135,10 +154,10 @@ def test_the_saves_named_in_bench_sync_at_are_synchronous(monkeypatch):
     assert len(s["async_stalls_s"]) == 2 and len(s["sync_saves_s"]) == 1
 
 
-def fake_run(path, setup, load, first, steady, stalls, sync, pins=(), rank1=None, finishing=None):
+def fake_run(path, setup, load, first, steady, stalls, sync, pins=(), rank1=None, finishing=None, profile=None):
     s = {"setup_s": setup, "load_s": load, "first_iter_after_load_s": first, "steady_after_first_median_s": steady,
          "async_stalls_s": list(stalls), "sync_saves_s": [sync], "host_peak_rss_gib": 12.0, "max_shm_used_gib": 5.0,
-         "pins": list(pins), "setup_pin_s": sum(p.get("pin_s", 0) for p in pins)}
+         "pins": list(pins), "setup_pin_s": sum(p.get("pin_s", 0) for p in pins), "load_profile": profile}
     if finishing is not None:
         s["async_finishing_s"] = list(finishing)
     with open(path, "w") as f:
@@ -178,6 +197,31 @@ def test_the_summary_gives_medians_spread_and_each_target(tmp_path):
     assert "without offload: 1.20x its steady step; builtin's first iteration / base's: 1.03x" in text
 
 
+def test_the_summary_shows_where_profiled_loads_went(tmp_path):
+    def profile(read, copy, touch=None):  # bench_saves.profile_lines's shape: [calls, own s, cumulative s, where]
+        own = [[2240, read, read, "~:0(<method 'readinto' of '_io.BufferedReader' objects>)"],
+               [220, copy, copy, "~:0(<method 'copy_' of 'torch._C.TensorBase' objects>)"]]
+        if touch is not None:
+            own.append([8, touch, touch, "numa.py:148(_touch_range)"])
+        return {"cumulative": own, "own": own}
+
+    for rep, read in ((1, 2.3), (2, 2.5)):
+        fake_run(str(tmp_path / f"one-dp_base_r{rep}.json"), 1.0, 3.3, 0.7, 0.2, (5.0, 5.0), 14.0,
+                 profile=profile(read, 0.55))
+        fake_run(str(tmp_path / f"one-dp_builtin_r{rep}.json"), 1.0, 3.8, 0.9, 0.3, (4.0, 4.7), 14.0,
+                 profile=profile(read + 0.2, 0.41, 0.16))
+    fake_run(str(tmp_path / "one-dp_builtin_r3.json"), 1.0, 3.8, 0.9, 0.3, (4.0, 4.7), 14.0)  # not profiled
+    lines = summary.summarize(str(tmp_path))[0].splitlines()
+    at = lines.index("  the load's own time by function (median, profiled runs: base 2, builtin 2)")
+    assert [" ".join(x.split()) for x in lines[at + 1:at + 4]] == [
+        "_io.BufferedReader.readinto base 2.400 s builtin 2.600 s",
+        "torch._C.TensorBase.copy_ base 0.550 s builtin 0.410 s",
+        "numa.py:148(_touch_range) base - builtin 0.160 s"]
+    for path in tmp_path.glob("one-dp_*_r*.json"):
+        fake_run(str(path), 1.0, 3.3, 0.7, 0.2, (5.0, 5.0), 14.0)
+    assert "the load's own time" not in summary.summarize(str(tmp_path))[0]  # no profiled run: no lines
+
+
 def test_the_comparison_reads_both_checkpoints_entry_by_entry(tmp_path):
     import torch
 
@@ -199,6 +243,20 @@ def test_the_gpu_script_parses_and_names_its_groups():
     for group in summary.GROUPS:
         assert f"{group})" in text
     assert "BENCH_SYNC_AT=8" in text and "ckpt_summary.py --compare" in text and "DEADLINE_S" in text
+
+
+def test_the_gpu_script_keeps_a_second_pass_in_a_folder_of_its_own(tmp_path):
+    """BENCH_CKPT_RESULTS: results, checkpoints, tarball and summary of a pass under other settings apart."""
+    out, results = tmp_path / "out", tmp_path / "i43reg"
+    out.mkdir()
+    env = dict(os.environ, OUT=str(out), BENCH_CKPT_RESULTS=str(results))
+    done = subprocess.run(["bash", os.path.join("scripts", "gpu", "bench_ckpt.sh"), "no-such-group"], cwd=ROOT,
+                          env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "unknown group no-such-group" in done.stderr
+    assert (tmp_path / "i43regck").is_dir() and (results / "summary.txt").exists()
+    got = sorted(p.name for p in out.iterdir())
+    assert got[0].startswith("i43reg-") and got[0].endswith(".tgz") and got[1:] == ["summary-i43reg.txt"]
 
 
 def test_each_run_leaves_a_tarball_that_comes_back_if_the_call_is_cut(tmp_path):

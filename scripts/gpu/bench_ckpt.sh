@@ -15,18 +15,21 @@
 # byte for byte at 4 and 8 (scripts/ckpt_summary.py --compare); every other checkpoint is removed at once.
 # A run is skipped when fewer than MIN_S seconds remain before DEADLINE_S or when its JSON exists (a later
 # call on the same warm machine goes on where the last stopped). Ends with summary.txt (medians, spread,
-# ratios against the targets); results and logs in /tmp/i43, tarred into $OUT.
+# ratios against the targets); results and logs in /tmp/i43, tarred into $OUT with summary-i43.txt.
 # The model: the 887M model's shape with LAYERS layers (default 4, about 0.32B parameters, a 3.8 GB
 # checkpoint) so that a group's 7 runs fit about 4.5 minutes; LAYERS=16 is the 887M model itself (about
 # 2.5x longer runs: one group a call). BENCH_LOAD_THREADS=N (passed to every run): torch's threads during the
-# load, with and without offload alike (scripts/bench_saves.py).
+# load, with and without offload alike (scripts/bench_saves.py). BENCH_PROFILE_LOAD=N: each run's load profiled
+# (the summary shows where its time went); BENCH_LOAD_REGISTER=before: the buffer registered before the load, not
+# beside it (bench_saves.py); BENCH_CKPT_RESULTS=DIR: the results there (default /tmp/i43; the checkpoints in
+# DIRck), so a second pass of a group under other settings runs in the same call (--logs DIR to get it back).
 set -u
 DEADLINE_S=${DEADLINE_S:-540}
 MIN_S=${MIN_S:-45}
 REPS=${REPS:-3}
 LAYERS=${LAYERS:-4}
 OPT=${OPT:-te}
-R=/tmp/i43; CK=/tmp/i43ck; mkdir -p $R $CK
+R=${BENCH_CKPT_RESULTS:-/tmp/i43}; CK=${R}ck; mkdir -p $R $CK
 source "$(dirname "${BASH_SOURCE[0]}")/deadline_runs.sh"   # run NAME CMD..., left, PATCH, start
 B="scripts/bench_offload.py run --optimizer $OPT --layers $LAYERS"
 cmd() {  # cmd LAYOUT MODE: the launch of one run
@@ -79,6 +82,6 @@ done
 python3 scripts/ckpt_summary.py $R | tee $R/summary.txt
 df -h /tmp /dev/shm | tee -a $R/summary.txt
 if [[ -n "${OUT:-}" ]]; then
-  tar czf "$OUT/i43-$(date +%H%M).tgz" -C /tmp i43
-  cp $R/summary.txt "$OUT/summary.txt"
+  tar czf "$OUT/$(basename $R)-$(date +%H%M).tgz" -C "$(dirname $R)" "$(basename $R)"
+  cp $R/summary.txt "$OUT/summary-$(basename $R).txt"
 fi
