@@ -276,3 +276,23 @@ def test_each_run_leaves_a_tarball_that_comes_back_if_the_call_is_cut(tmp_path):
         names = set(tar.getnames())
     assert {"i43/first.json", "i43/first.log", "i43/second.json", "i43/second.log"} <= names
     assert [p.name for p in out.iterdir()] == ["partial-i43.tgz"]
+
+
+def test_the_reads_beside_the_pinning_bench_reads_every_byte_and_cleans_up(tmp_path, monkeypatch, capsys):
+    """scripts/bench_reads_beside_pinning.py on CPU: each variant reads the whole file through the real
+    hostmem.pin (unregistered without CUDA), the file is removed after, and bad sizes are refused."""
+    reads = importlib.import_module("bench_reads_beside_pinning")
+    out = tmp_path / "r.json"
+    monkeypatch.setattr(sys, "argv", ["bench", "--file-gib", "0.004", "--gib", "0.002", "--item-mib", "1",
+                                      "--reps", "2", "--dir", str(tmp_path), "--out", str(out)])
+    assert reads.main() == 0
+    got = json.loads(out.read_text())
+    assert [r["variant"] for r in got["runs"]] == list(reads.VARIANTS) * 2
+    assert all(r["reads_s"] > 0 and r["whole_s"] >= r["reads_s"] for r in got["runs"])
+    assert {r["method"] for r in got["runs"] if r["variant"] != "alone"} == {"unpinned (CUDA unavailable)"}
+    assert set(got["medians"]) == set(reads.VARIANTS) and got["reads_beside_over_alone"] > 0
+    assert [p.name for p in tmp_path.iterdir()] == ["r.json"]  # the file it read is gone
+    monkeypatch.setattr(sys, "argv", ["bench", "--reps", "0"])
+    with pytest.raises(SystemExit) as exc:
+        reads.main()
+    assert exc.value.code == 2 and "must be positive" in capsys.readouterr().err
