@@ -16,6 +16,7 @@ asynchronous stall is within the one without offload.
 
 Setup and loads (issue 43, every run; instrument_setup / setup_figures): Bridge's own timers
 "model-and-optimizer-setup" and "load-checkpoint" (Megatron-Core's Timer, whatever it prints), each of
+bridge_fgo's buffers freed while one runs (the landing block unpinned at the construction's end), each of
 bridge_fgo's hostmem.pin calls (bytes, seconds, the timer running meanwhile: the construction's landing
 block during setup, the host buffer during a load or at the first step) and each deferred registration
 waited for, the host's RSS and /dev/shm after setup and after the load. BENCH_SYNC_AT=I[,J]: in a run with
@@ -195,7 +196,7 @@ def instrument_setup(held):
         from bridge_fgo.hostmem import pinning
     except ImportError:
         return
-    pin, wait = hostmem.pin, pinning.PinnedHost.wait
+    pin, wait, free = hostmem.pin, pinning.PinnedHost.wait, pinning.PinnedHost.free
 
     def timed_pin(nbytes, **kw):
         if register == "before":
@@ -216,7 +217,15 @@ def instrument_setup(held):
                                  "deferred_wait": True})
         return out
 
-    hostmem.pin, pinning.PinnedHost.wait = timed_pin, timed_wait
+    def timed_free(self):  # the construction's landing block is unregistered at its end, inside setup
+        t0 = time.perf_counter()
+        out = free(self)
+        if held["running"]:
+            held["pins"].append({"bytes": self.nbytes, "free_s": time.perf_counter() - t0,
+                                 "during": held["running"][-1], "released": True})
+        return out
+
+    hostmem.pin, pinning.PinnedHost.wait, pinning.PinnedHost.free = timed_pin, timed_wait, timed_free
 
 
 def profile_lines(profiler, top):
@@ -241,6 +250,7 @@ def setup_figures(held, recs):
         "load_register": held.get("load_register"),
         "pins": pins,
         "setup_pin_s": sum(p.get("pin_s", 0.0) for p in pins if p["during"] == "model-and-optimizer-setup"),
+        "setup_unpin_s": sum(p.get("free_s", 0.0) for p in pins if p["during"] == "model-and-optimizer-setup"),
         "load_pin_s": sum(p.get("pin_s", 0.0) + p.get("waited_s", 0.0) for p in pins
                           if p["during"] == "load-checkpoint"),
         "host_after_setup": held.get("host", {}).get("model-and-optimizer-setup"),

@@ -42,7 +42,8 @@ def figures(s):
     stalls, syncs = s.get("async_stalls_s") or [], s.get("sync_saves_s") or []
     masters = sum(x.get("bytes", 0) for x in s.get("pins") or [] if x.get("during") == "model-and-optimizer-setup")
     return {
-        "setup_s": s.get("setup_s"), "setup_pin_s": s.get("setup_pin_s"), "landing_bytes": masters or None,
+        "setup_s": s.get("setup_s"), "setup_pin_s": s.get("setup_pin_s"), "setup_unpin_s": s.get("setup_unpin_s"),
+        "landing_bytes": masters or None,
         "load_s": s.get("load_s"), "load_pin_s": s.get("load_pin_s"),
         "first_after_load_s": s.get("first_iter_after_load_s"), "steady_s": s.get("steady_after_first_median_s"),
         "async_first_s": stalls[0] if stalls else None, "async_next_s": stalls[1] if len(stalls) > 1 else None,
@@ -100,6 +101,7 @@ def ratio_line(name, base, ours, limit=TARGET):
 
 
 KEYS = (("setup_s", "model-and-optimizer setup"), ("setup_pin_s", "  of which pinning (landing block)"),
+        ("setup_unpin_s", "  of which unpinning it"),
         ("load_s", "load"), ("load_pin_s", "  of which pinning (first touch, then any wait for cudaHostRegister)"),
         ("first_after_load_s", "first iteration after the load"), ("steady_s", "steady step"),
         ("async_first_s", "async save stall, first"),

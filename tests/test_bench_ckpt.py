@@ -28,7 +28,7 @@ def restore_patched(monkeypatch):
     from bridge_fgo.hostmem import pinning
 
     for obj, name in ((timers.Timer, "start"), (timers.Timer, "stop"), (hostmem, "pin"),
-                      (pinning.PinnedHost, "wait")):
+                      (pinning.PinnedHost, "wait"), (pinning.PinnedHost, "free")):
         monkeypatch.setattr(obj, name, getattr(obj, name))
 
 
@@ -45,16 +45,19 @@ def test_setup_and_load_timers_and_the_pinning_are_recorded(restore_patched, mon
     t = timers.Timers(0, "minmax")
     t("model-and-optimizer-setup", log_level=0).start()
     buf = hostmem.pin(4096)  # the construction's landing block pins during setup
+    buf.free()  # and is unpinned at its end
     t("model-and-optimizer-setup").stop()
     t("load-checkpoint", log_level=0).start()
     t("load-checkpoint").stop()
-    buf.free()
+    hostmem.pin(8192).free()  # outside any timer: not recorded
     recs = [{"step_s": 2.0}, {"step_s": 1.0}, {"step_s": 1.2}]
     got = saves.setup_figures(held, recs)
     assert got["setup_s"] > 0 and got["load_s"] >= 0
-    (pin,) = got["pins"]
+    pin, unpin = got["pins"][0], got["pins"][1]
     assert pin["bytes"] == 4096 and pin["during"] == "model-and-optimizer-setup" and not pin["deferred"]
-    assert got["setup_pin_s"] == pin["pin_s"] and got["load_pin_s"] == 0
+    assert unpin["bytes"] == 4096 and unpin["during"] == "model-and-optimizer-setup" and unpin["released"]
+    assert [p["bytes"] for p in got["pins"][2:]] == [8192]  # its pinning (the first step's, as the bench names it)
+    assert got["setup_pin_s"] == pin["pin_s"] and got["setup_unpin_s"] == unpin["free_s"] and got["load_pin_s"] == 0
     assert got["first_iter_after_load_s"] == 2.0 and got["steady_after_first_median_s"] == 1.1
     assert got["host_after_setup"]["rss_gib"] > 0 and "rss_gib" in got["host_after_load"]
     fresh = saves.setup_figures({"timers": {"model-and-optimizer-setup": 1.0}}, recs)

@@ -158,6 +158,10 @@ def test_the_masters_land_in_one_block_checked_then_pinned_once(landed, chunk_by
     assert "one host block" in built.describe() and "pinning" in built.describe()
     # the whole construction's time beside the pinning's (issue 43's setup figure: what else it takes)
     assert re.search(r"bytes on the GPU, in [\d.]+ s; ", built.describe()) and built.total_s >= built.pin_s
+    # the block's unpinning at the end, apart from the pinning and from the wait for the copies
+    assert re.search(r"\(pinning [\d.]+ s, the last copies waited for [\d.]+ s, unpinning [\d.]+ s\)$",
+                     built.describe())
+    assert built.total_s >= built.pin_s + built.copy_s + built.release_s
 
 
 def test_a_landing_block_that_does_not_fit_is_refused_by_name_and_each_master_copied_alone(landed, monkeypatch,

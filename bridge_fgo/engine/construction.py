@@ -79,13 +79,15 @@ class Built:
         self.largest_batch = 0
         self.pin_s = 0.0     # the landing block: allocated, touched, registered (the pinning)
         self.copy_s = 0.0    # the wait for its copies at the end (what they took beyond Megatron-Core's own work)
+        self.release_s = 0.0  # the block's unregistration at the end (cudaHostUnregister: the pinning's undoing)
         self.landed = 0      # bytes of masters that landed in the block
         self.landing: Optional[str] = None  # how the masters came to the host, for the line
         self.total_s = 0.0   # the whole construction of the masters (Megatron-Core's own work among it): issue 43's setup
 
     def describe(self) -> str:
         how = (f"{self.landed} bytes copied into {self.landing} (pinning {self.pin_s:.2f} s, the last copies waited "
-               f"for {self.copy_s:.2f} s)" if self.landing else "each copied into pageable memory of its own")
+               f"for {self.copy_s:.2f} s, unpinning {self.release_s:.2f} s)" if self.landing
+               else "each copied into pageable memory of its own")
         return (f"{self.masters} master(s), {self.bytes} bytes, in {self.batches} {self.units} of at most "
                 f"{self.largest_batch} bytes on the GPU, in {self.total_s:.2f} s; {how}")
 
@@ -161,7 +163,9 @@ class Landing:
 
             torch.cuda.current_stream().synchronize()
         built.copy_s += time.perf_counter() - t0
+        t0 = time.perf_counter()
         self.block.free()  # unpinned now; the memory goes when the engine has taken the last master from it
+        built.release_s += time.perf_counter() - t0
         self.block = None
 
 
