@@ -25,10 +25,12 @@ def restore_patched(monkeypatch):
     from megatron.core import timers
 
     from bridge_fgo import hostmem
+    from bridge_fgo.engine.streamed.engine import StreamedEngine
     from bridge_fgo.hostmem import pinning
 
     for obj, name in ((timers.Timer, "start"), (timers.Timer, "stop"), (hostmem, "pin"),
-                      (pinning.PinnedHost, "wait"), (pinning.PinnedHost, "free")):
+                      (pinning.PinnedHost, "wait"), (pinning.PinnedHost, "free"),
+                      (StreamedEngine, "register_after_load")):
         monkeypatch.setattr(obj, name, getattr(obj, name))
 
 
@@ -117,10 +119,10 @@ def test_bench_profile_load_records_where_the_load_went(restore_patched, monkeyp
         saves.instrument_setup({})
 
 
-@pytest.mark.parametrize("register, deferred", [(None, True), ("before", False)])
-def test_bench_load_register_before_registers_the_buffer_before_the_load(restore_patched, monkeypatch, register,
-                                                                          deferred):
+@pytest.mark.parametrize("register, deferred", [(None, True), ("before", False), ("after", True)])
+def test_bench_load_register_places_the_buffers_registration(restore_patched, monkeypatch, register, deferred):
     from bridge_fgo import hostmem
+    from bridge_fgo.engine.streamed.engine import StreamedEngine
 
     real, calls = hostmem.pin, []
     monkeypatch.setattr(hostmem, "pin", lambda nbytes, **kw: calls.append(kw) or real(nbytes, **kw))
@@ -131,8 +133,9 @@ def test_bench_load_register_before_registers_the_buffer_before_the_load(restore
     hostmem.pin(4096, defer=True).free()  # as the engine's prepare() before a load asks for it
     assert calls == [{"defer": deferred}] and held["pins"][0]["deferred"] is deferred
     assert saves.setup_figures(held, [])["load_register"] == (register or "beside")
-    monkeypatch.setenv("BENCH_LOAD_REGISTER", "after")
-    with pytest.raises(SystemExit, match="BENCH_LOAD_REGISTER='after': 'before'"):
+    assert StreamedEngine.register_after_load is (register == "after")  # the engine's own choice, for "after"
+    monkeypatch.setenv("BENCH_LOAD_REGISTER", "later")
+    with pytest.raises(SystemExit, match="BENCH_LOAD_REGISTER='later': 'before' or 'after'"):
         saves.instrument_setup({})
 
 

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 import weakref
 
 import pytest
@@ -812,6 +813,27 @@ def test_a_refused_deferred_registration_leaves_the_buffer_pageable_with_one_war
     buf.repin()  # a next train(): nothing registered again, nothing raised
     buf.free()
     assert [c[0] for c in fake_cuda.calls] == ["register"] and hostmem.pinned_bytes() == bytes0
+
+
+def test_a_held_back_registration_starts_when_told_or_when_waited_for(fake_cuda, tmp_path, record_touch):
+    """pin(defer=True, start=False): the pages are faulted in at once, the registration waits for
+    start_registration() (after a load's reads), or runs when wait() needs it."""
+    buf = hostmem.pin(4096, root=str(tmp_path), defer=True, start=False)
+    assert record_touch and buf.pending and buf.held_back and fake_cuda.calls == []
+    time.sleep(0.05)
+    assert fake_cuda.calls == []  # nothing started it
+    buf.start_registration()
+    buf.wait()
+    assert not buf.pending and buf.registered and [c[0] for c in fake_cuda.calls] == ["register"]
+    buf.start_registration()  # nothing held back any more: nothing happens
+    buf.free()
+    other = hostmem.pin(4096, root=str(tmp_path), defer=True, start=False)
+    other.wait()  # never told to start: wait() runs it
+    assert other.registered and [c[0] for c in fake_cuda.calls] == ["register", "unregister", "register"]
+    other.free()
+    started = hostmem.pin(4096, root=str(tmp_path), defer=True)
+    assert not started.held_back
+    started.free()
 
 
 def test_a_buffer_freed_before_its_deferred_registration_ends_is_unregistered_after_it(fake_cuda, tmp_path):

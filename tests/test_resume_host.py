@@ -474,3 +474,34 @@ def test_after_a_load_the_warm_pass_is_queued_after_the_states_are_taken(monkeyp
     assert [what for what, _ in laps] == ["waiting for the registration", "taking what the load bound elsewhere",
                                           "the warm pass queued"]
     engine.close()
+
+
+def test_a_registration_held_back_after_a_load_starts_then_and_the_warm_pass_waits_for_the_first_step(monkeypatch):
+    """register_after_load (issue 43's measurement of where a load's registration costs least): the registration
+    starts after the load's reads, nothing waits for it then, and the warm pass (which waits for it) is queued
+    by the first step's offload instead of the load's end."""
+    import threading
+
+    from bridge_fgo.engine.streamed.transfers import Transfers
+
+    opt = make(**CASES["te"])
+    engine = StreamedEngine([opt], 2000)
+    engine.register_after_load = True
+    engine.defer_pinning = True
+    pins = []
+    monkeypatch.setattr(engine.transfers, "pin", lambda defer=False, start=True: (
+        pins.append((defer, start)), Transfers.pin(engine.transfers, defer, start)))
+    engine.prepare()
+    assert pins == [(True, False)]  # touched now, registered later
+    seen = []
+    registration = threading.Thread(target=lambda: seen.append("registered"))
+    engine.transfers.buffer._held["pending"] = registration  # a GPU's registration, held back (CPU: none)
+    engine._warm_pending = True  # as a prepare beside a load with device copies leaves it
+    monkeypatch.setattr(engine.transfers, "warm", lambda wait=True: seen.append(("warm", wait)))
+    laps = engine.after_load()
+    registration.join()
+    assert [what for what, _ in laps] == ["the registration started", "taking what the load bound elsewhere"]
+    assert seen == ["registered"] and engine._warm_pending and engine.transfers.buffer.pending
+    engine.offload()  # the first step
+    assert seen == ["registered", ("warm", False)] and not engine._warm_pending
+    engine.close()

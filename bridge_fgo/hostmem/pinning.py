@@ -149,6 +149,7 @@ class PinnedHost:
         self.placement = placement  # how the first touch was done, or why without placement
         self.seconds = seconds      # allocation + first touch + pinning (deferred: without the registration)
         self.register_s = 0.0       # a deferred registration's own time, once waited for (wait())
+        self.held_back = False      # a deferred registration that waited for start_registration()
         self.waited_s = 0.0         # how long wait() blocked for it
         # the only reference bridge_fgo keeps to the tensor, shared with the finalizer, which keeps
         # the memory alive until it runs and then drops it
@@ -176,11 +177,19 @@ class PinnedHost:
         if pending is None:
             return
         t0 = time.perf_counter()
+        if pending.ident is None:  # held back (pin(defer=True, start=False)) and never started: now
+            pending.start()
         pending.join()
         self.waited_s = time.perf_counter() - t0
         self.register_s = self._held.get("register_s", 0.0)
         if not _settle(self._held, self.nbytes):
             self.method = f"pageable (cudaHostRegister failed with {self._held['register_error']})"
+
+    def start_registration(self) -> None:
+        """A registration held back by pin(defer=True, start=False) starts in its thread now (nothing otherwise)."""
+        pending = self._held.get("pending")
+        if pending is not None and pending.ident is None:
+            pending.start()
 
     @property
     def registered(self) -> bool:
@@ -257,9 +266,9 @@ class PinnedHost:
         return f"PinnedHost({self.nbytes} bytes, {self.method}{', freed' if self.freed else ''})"
 
 
-def _start_register(held: Dict[str, object], tensor, device: int, nbytes: int) -> None:
+def _start_register(held: Dict[str, object], tensor, device: int, nbytes: int, start: bool = True) -> None:
     """cudaHostRegister of pages already faulted in, in a thread of its own (pin(defer=True)); wait() or the
-    release joins it."""
+    release joins it. Not `start`: the thread waits for PinnedHost.start_registration() (or wait())."""
     import torch
 
     def register():
@@ -273,7 +282,8 @@ def _start_register(held: Dict[str, object], tensor, device: int, nbytes: int) -
 
     thread = threading.Thread(target=register, name="bridge_fgo-pin-deferred")
     held["pending"] = thread
-    thread.start()
+    if start:
+        thread.start()
 
 
 def _settle(held: Dict[str, object], nbytes: int) -> bool:
@@ -285,8 +295,8 @@ def _settle(held: Dict[str, object], nbytes: int) -> bool:
     name = f"{type(err).__name__}: {err}" if isinstance(err, BaseException) else _err_name(err)
     held["register_error"], held["unpinned"] = name, True
     _count(-nbytes, 0)
-    logger.warning("%scudaHostRegister of the %s optimizer-state host buffer (started while a checkpoint load read "
-                   "from disk) failed with %s; %s. The buffer stays pageable: every copy to and from the GPU still "
+    logger.warning("%scudaHostRegister of the %s optimizer-state host buffer (run in its own thread beside or after a "
+                   "checkpoint load) failed with %s; %s. The buffer stays pageable: every copy to and from the GPU still "
                    "works, slower. Fix: raise the locked-memory limit (ulimit -l unlimited; docker --ulimit "
                    "memlock=-1), or %s", rank_prefix(), fmt_bytes(nbytes), name, _memlock_limits(), FIXES)
     return False
@@ -348,7 +358,8 @@ def _memlock_limits() -> str:
 
 
 def pin(nbytes: int, *, device_index: Optional[int] = None, numa: bool = True,
-        root: Optional[str] = None, target: Optional[_numa.NumaTarget] = None, defer: bool = False) -> PinnedHost:
+        root: Optional[str] = None, target: Optional[_numa.NumaTarget] = None, defer: bool = False,
+        start: bool = True) -> PinnedHost:
     """Allocate `nbytes` of page-locked host memory for device `device_index` (default: the current one).
 
     A pageable tensor is first-touched (on the GPU's NUMA node when `numa` and the host has several)
@@ -360,8 +371,9 @@ def pin(nbytes: int, *, device_index: Optional[int] = None, numa: bool = True,
     placing the buffer on another node). `defer`: the pages are faulted in here and cudaHostRegister runs
     in a thread of its own (a checkpoint load reads from disk meanwhile, writing into the pages);
     PinnedHost.wait() joins it before any copy to or from the GPU, and a refusal there leaves the buffer
-    pageable with one WARNING instead of the pin_memory=True fallback. The buffer reads as zero when
-    handed out (`zeroed`), but for the pin_memory=True fallback's."""
+    pageable with one WARNING instead of the pin_memory=True fallback; with `start` False the registration
+    waits for PinnedHost.start_registration() (after the load's reads, not beside them), or for wait(). The
+    buffer reads as zero when handed out (`zeroed`), but for the pin_memory=True fallback's."""
     import torch
 
     if nbytes < 0:
@@ -384,7 +396,8 @@ def pin(nbytes: int, *, device_index: Optional[int] = None, numa: bool = True,
         # the masters' copy on the loading thread took as long, faulting the same pages (2xH200, 2026-11-28)
         buf = PinnedHost(tensor, nbytes, "cudaHostRegister", device=device, numa_node=node, placement=placement,
                          seconds=time.perf_counter() - t0, zeroed=True)
-        _start_register(buf._held, tensor, device, nbytes)
+        buf.held_back = not start
+        _start_register(buf._held, tensor, device, nbytes, start)
         logger.debug("%s%s; registration deferred", rank_prefix(), buf.describe())
         return buf
     err = _register(tensor, device, nbytes)

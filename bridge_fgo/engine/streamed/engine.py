@@ -84,7 +84,12 @@ class _Untimed:
 _UNTIMED = _Untimed()
 
 
+# StreamedEngine.register_after_load: where a checkpoint load's buffer registration runs: beside the load's reads
+# (False), or after them, beside what follows the load (True; the first use of the buffer waits for it, and the warm
+# pass moves to the first step). Issue 43 measures which costs a load less (scripts/bench_reads_beside_pinning.py,
+# and BENCH_LOAD_REGISTER in scripts/bench_saves.py); False until then.
 class StreamedEngine:
+    register_after_load = False
     def __init__(self, dist_optimizers, chunk_bytes: int, budget_bytes: Optional[int] = None, auto: bool = False,
                  norms_in_update: bool = False):
         self.plan = Plan(dist_optimizers, chunk_bytes)
@@ -163,7 +168,7 @@ class StreamedEngine:
             self.snapshot.allocate()  # dropped when the last training parked
             return
         clock = _Clock()
-        t.pin(defer=self.defer_pinning)
+        t.pin(defer=self.defer_pinning, start=not (self.defer_pinning and self.register_after_load))
         clock.lap("the buffer")
         t.take_all()  # masters made on the host at construction, states a load put elsewhere
         clock.lap("taking what exists")
@@ -196,11 +201,12 @@ class StreamedEngine:
         The snapshot a load left for later is made at the first save (snapshot.py: never beside the load's end)."""
         clock = _Clock()
         if self.transfers.buffer is not None:
-            self.transfers.ready()
-            clock.lap("waiting for the registration")
+            later = self.register_after_load and self.transfers.buffer.pending  # beside what Bridge does next
+            self.transfers.buffer.start_registration() if later else self.transfers.ready()
+            clock.lap("the registration started" if later else "waiting for the registration")
             self.readers.after_load()  # (it waits for every copy in flight: before the warm pass is queued)
             clock.lap("taking what the load bound elsewhere")
-            if self._warm_pending:
+            if self._warm_pending and not self.transfers.buffer.pending:
                 self._warm_pending = False
                 self.transfers.warm(wait=False)  # beside what Bridge's setup does after the load
                 clock.lap("the warm pass queued")
@@ -217,6 +223,9 @@ class StreamedEngine:
             return 0
         if self.torn is not None:
             raise self.readers.refusal("an optimizer step")
+        if self._warm_pending:  # the registration ran after a load (register_after_load): its warm pass now
+            self._warm_pending = False
+            self.transfers.warm(wait=False)
         self.probe.at_offload(self.device)
         self.transfers.adopt()
         self.head.begin_step(measure=not self.probe.done and self.transfers.copies.device_copies)

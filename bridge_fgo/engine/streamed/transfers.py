@@ -40,10 +40,11 @@ class Transfers:
         return self.plan.device
 
     # -- the host buffer --------------------------------------------------------------------------
-    def pin(self, defer: bool = False) -> None:
+    def pin(self, defer: bool = False, start: bool = True) -> None:
         """The host buffer pinned once, for the plan; each entry's host view in it; the window. `defer`: its
-        registration runs beside what comes next (a checkpoint load's reads), until ready()."""
-        self.buffer = hostmem.pin(self.plan.lay_out(), defer=defer)
+        registration runs beside what comes next (a checkpoint load's reads), until ready(); not `start`: it
+        waits for buffer.start_registration() (after the load's reads, beside what follows them)."""
+        self.buffer = hostmem.pin(self.plan.lay_out(), defer=defer, start=start)
         for part in self.plan.parts:
             for e in part.entries():
                 e.host = self.buffer.tensor[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape)
@@ -56,9 +57,10 @@ class Transfers:
         if self.buffer is not None and self.buffer.pending:
             self.buffer.wait()
             if self.buffer.registered:
-                logger.info("%sthe %s host buffer's cudaHostRegister ran beside the checkpoint load: %.2f s, of "
-                            "which the load's end waited %.2f s", rank_prefix(), fmt_bytes(self.buffer.nbytes),
-                            self.buffer.register_s, self.buffer.waited_s)
+                logger.info("%sthe %s host buffer's cudaHostRegister ran beside %s: %.2f s, of which %.2f s were "
+                            "waited for", rank_prefix(), fmt_bytes(self.buffer.nbytes), "what followed the checkpoint "
+                            "load" if self.buffer.held_back else "the checkpoint load", self.buffer.register_s,
+                            self.buffer.waited_s)
 
     def new_window(self) -> None:
         self.window = copies_mod.Window(self.copies, self.plan.window_sizes, self.device)
