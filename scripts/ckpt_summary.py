@@ -120,12 +120,14 @@ def _where(name):
 
 def profile_lines(modes, top=8):
     """The functions of most own time during the load, medians over each mode's profiled runs."""
-    per_mode = {mode: [r["load_profile"] for r in modes.get(mode, []) if r["load_profile"]] for mode in ("base", "builtin")}
+    per_mode = {mode: [r["load_profile"] for r in modes.get(mode, []) if r["load_profile"]]
+                for mode in ("base", "builtin")}
     if not any(per_mode.values()):
         return []
     medians = {mode: {f: statistics.median(p[f] for p in profs if f in p) for f in {f for p in profs for f in p}}
                for mode, profs in per_mode.items()}
-    names = sorted({f for m in medians.values() for f in m}, key=lambda f: -max(m.get(f, 0.0) for m in medians.values()))
+    names = sorted({f for m in medians.values() for f in m},
+                   key=lambda f: -max(m.get(f, 0.0) for m in medians.values()))
     n = {mode: len(profs) for mode, profs in per_mode.items()}
     lines = [f"  the load's own time by function (median, profiled runs: base {n['base']}, builtin {n['builtin']})"]
     for f in names[:top]:

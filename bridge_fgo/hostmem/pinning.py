@@ -295,9 +295,9 @@ def _settle(held: Dict[str, object], nbytes: int) -> bool:
     name = f"{type(err).__name__}: {err}" if isinstance(err, BaseException) else _err_name(err)
     held["register_error"], held["unpinned"] = name, True
     _count(-nbytes, 0)
-    logger.warning("%scudaHostRegister of the %s optimizer-state host buffer (run in its own thread beside or after a "
-                   "checkpoint load) failed with %s; %s. The buffer stays pageable: every copy to and from the GPU still "
-                   "works, slower. Fix: raise the locked-memory limit (ulimit -l unlimited; docker --ulimit "
+    logger.warning("%scudaHostRegister of the %s optimizer-state host buffer (run in its own thread beside or "
+                   "after a checkpoint load) failed with %s; %s. The buffer stays pageable: every copy to and from the "
+                   "GPU still works, slower. Fix: raise the locked-memory limit (ulimit -l unlimited; docker --ulimit "
                    "memlock=-1), or %s", rank_prefix(), fmt_bytes(nbytes), name, _memlock_limits(), FIXES)
     return False
 

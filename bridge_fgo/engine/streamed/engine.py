@@ -89,7 +89,6 @@ _UNTIMED = _Untimed()
 # pass moves to the first step). Issue 43 measures which costs a load less (scripts/bench_reads_beside_pinning.py,
 # and BENCH_LOAD_REGISTER in scripts/bench_saves.py); False until then.
 class StreamedEngine:
-    register_after_load = False
     def __init__(self, dist_optimizers, chunk_bytes: int, budget_bytes: Optional[int] = None, auto: bool = False,
                  norms_in_update: bool = False):
         self.plan = Plan(dist_optimizers, chunk_bytes)
@@ -128,6 +127,7 @@ class StreamedEngine:
     auto = property(lambda self: self.fitting.auto)
     budget_note = property(lambda self: self.fitting.budget_note)
     window_note = property(lambda self: self.fitting.window_note)
+    register_after_load = False  # where a checkpoint load's registration runs (the comment above the class)
 
     # (a test gives a probe in place of a GPU's figures)
     probe = property(lambda self: self.fitting.probe, lambda self, probe: setattr(self.fitting, "probe", probe))
