@@ -18,6 +18,7 @@ writes it to --out. Without CUDA, hostmem.pin does not register (method "unpinne
 reads work. Needs only torch and bridge_fgo. --dir: where the file is written (default: the system's temp).
 """
 import argparse
+import ctypes
 import json
 import os
 import statistics
@@ -51,7 +52,7 @@ def read_all(path: str, item: int) -> float:
     with open(path, "rb", buffering=0) as f:
         while True:
             t = torch.empty(item, dtype=torch.uint8)
-            n = f.readinto(memoryview(t.numpy()))
+            n = f.readinto((ctypes.c_char * item).from_address(t.data_ptr()))  # (no numpy needed)
             if not n:
                 break
             kept.append(t)
