@@ -47,7 +47,7 @@ def write_file(path: str, nbytes: int) -> None:
 
 def read_all(path: str, item: int) -> float:
     """Every byte of `path`, item by item, each into a fresh tensor (as torch.load reads a checkpoint's)."""
-    kept = []
+    kept, got = [], 0
     t0 = time.perf_counter()
     with open(path, "rb", buffering=0) as f:
         while True:
@@ -56,9 +56,10 @@ def read_all(path: str, item: int) -> float:
             if not n:
                 break
             kept.append(t)
+            got += n
     seconds = time.perf_counter() - t0
-    if sum(t.numel() for t in kept) < os.path.getsize(path):
-        raise RuntimeError(f"short read of {path}")
+    if got != os.path.getsize(path):
+        raise RuntimeError(f"read {got} of {path}'s {os.path.getsize(path)} bytes")
     return seconds
 
 
@@ -75,7 +76,7 @@ def variant(kind: str, path: str, nbytes: int, item: int) -> dict:
         buf.wait()
     out = {"variant": kind, "reads_s": reads, "whole_s": time.perf_counter() - t0, "buffer_s": made,
            "method": buf.method if buf is not None else None,
-           "register_s": (buf.register_s if kind == "beside" else None) if buf is not None else None}
+           "register_s": buf.register_s if kind == "beside" else None}
     if buf is not None:
         buf.free()
     return out
