@@ -28,9 +28,10 @@ with offload the load's copies land in host memory through torch's CPU copy (doc
 BENCH_PROFILE_LOAD=N: the training thread is profiled (cProfile) while Bridge's "load-checkpoint" timer runs,
 and the N functions of most cumulative and of most own time are recorded as load_profile: where a load's
 seconds go, with offload and without (issue 43). It slows the load a little in both: not for timed runs.
-BENCH_LOAD_REGISTER=before|after: the host buffer a load prepares is registered (cudaHostRegister) before the
-load (bridge_fgo's pin(defer=True) called without defer), or after its reads (the engine's register_after_load),
-instead of beside them: does the registration slow the load's reads? (issue 43; recorded as load_register)
+BENCH_LOAD_REGISTER=before|beside|after: the host buffer a load prepares is registered (cudaHostRegister) before
+the load (bridge_fgo's pin(defer=True) called without defer), beside its reads, or after them (the engine's
+register_after_load, its default since 2026-11-29): where does the registration cost a load least? (issue 43;
+recorded as load_register)
 
 Importing this module imports neither torch nor Megatron.
 """
@@ -149,14 +150,14 @@ def instrument_setup(held):
     if load_threads is not None and not (load_threads.isdigit() and int(load_threads) > 0):
         raise SystemExit(f"BENCH_LOAD_THREADS={load_threads!r}: a positive integer (torch's threads during a load)")
     register = os.environ.get("BENCH_LOAD_REGISTER")
-    if register not in (None, "before", "after"):
-        raise SystemExit(f"BENCH_LOAD_REGISTER={register!r}: 'before' or 'after' (or unset: beside the load, "
-                         "bridge_fgo's way)")
-    held["load_register"] = register or "beside"
-    if register == "after":
-        from bridge_fgo.engine.streamed.engine import StreamedEngine
+    if register not in (None, "before", "beside", "after"):
+        raise SystemExit(f"BENCH_LOAD_REGISTER={register!r}: 'before', 'beside' or 'after' (or unset: bridge_fgo's "
+                         "default, after the load's reads)")
+    from bridge_fgo.engine.streamed.engine import StreamedEngine
 
-        StreamedEngine.register_after_load = True  # for this process: the run's engine registers after its load
+    if register in ("beside", "after"):  # for this process: where the run's engine registers a load's buffer
+        StreamedEngine.register_after_load = register == "after"
+    held["load_register"] = register or ("after" if StreamedEngine.register_after_load else "beside")
     profile_top = os.environ.get("BENCH_PROFILE_LOAD")
     if profile_top is not None and not (profile_top.isdigit() and int(profile_top) > 0):
         raise SystemExit(f"BENCH_PROFILE_LOAD={profile_top!r}: a positive integer (how many functions to record)")

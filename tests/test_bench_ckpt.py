@@ -119,7 +119,7 @@ def test_bench_profile_load_records_where_the_load_went(restore_patched, monkeyp
         saves.instrument_setup({})
 
 
-@pytest.mark.parametrize("register, deferred", [(None, True), ("before", False), ("after", True)])
+@pytest.mark.parametrize("register, deferred", [(None, True), ("before", False), ("beside", True), ("after", True)])
 def test_bench_load_register_places_the_buffers_registration(restore_patched, monkeypatch, register, deferred):
     from bridge_fgo import hostmem
     from bridge_fgo.engine.streamed.engine import StreamedEngine
@@ -132,10 +132,10 @@ def test_bench_load_register_places_the_buffers_registration(restore_patched, mo
     saves.instrument_setup(held)
     hostmem.pin(4096, defer=True).free()  # as the engine's prepare() before a load asks for it
     assert calls == [{"defer": deferred}] and held["pins"][0]["deferred"] is deferred
-    assert saves.setup_figures(held, [])["load_register"] == (register or "beside")
-    assert StreamedEngine.register_after_load is (register == "after")  # the engine's own choice, for "after"
+    assert saves.setup_figures(held, [])["load_register"] == (register or "after")  # unset: the engine's default
+    assert StreamedEngine.register_after_load is (register != "beside")  # the engine's own choice unless "beside"
     monkeypatch.setenv("BENCH_LOAD_REGISTER", "later")
-    with pytest.raises(SystemExit, match="BENCH_LOAD_REGISTER='later': 'before' or 'after'"):
+    with pytest.raises(SystemExit, match="BENCH_LOAD_REGISTER='later': 'before', 'beside' or 'after'"):
         saves.instrument_setup({})
 
 
@@ -201,6 +201,8 @@ def test_the_summary_gives_medians_spread_and_each_target(tmp_path):
             "builtin 6.500 s (6.500-6.500, n=3)" in line]
     # the first iteration after a load, beside the same ratio without offload
     assert "without offload: 1.20x its steady step; builtin's first iteration / base's: 1.03x" in text
+    # and against base's plus what a streamed step adds: 0.62 / (0.6 + 0.6 - 0.5)
+    assert "builtin's first iteration / (base's + the streamed step's own cost, builtin's steady step - base's): 0.89x" in text
 
 
 def test_the_summary_shows_where_profiled_loads_went(tmp_path):

@@ -295,28 +295,36 @@ def test_a_load_makes_the_states_of_parameters_that_stay_on_the_gpu_on_the_host(
         engine.close()
 
 
-def test_the_buffers_registration_runs_beside_the_load_and_is_waited_for_after_it(train_module, monkeypatch):
-    """At the load call site the host buffer is allocated and touched before Bridge's load, its
-    cudaHostRegister deferred (it runs beside the load's reads, which write into the pages), and waited for
-    when the load returns, before any copy to the GPU; a fresh run's first step pins as before."""
+@pytest.mark.parametrize("after", [True, False])
+def test_the_buffers_registration_runs_after_or_beside_the_load_and_is_waited_for_before_a_copy(train_module,
+                                                                                                 monkeypatch, after):
+    """At the load call site the host buffer is allocated and touched before Bridge's load, its cudaHostRegister
+    deferred: by default held back until the load's reads are done, then started beside what follows the load,
+    and waited for at the buffer's first use (register_after_load); or running beside the load's reads, which
+    write into the pages, and waited for when the load returns. Either way before any copy to the GPU; a fresh
+    run's first step pins as before."""
     import threading
     import types
 
     import bridge_fgo
     from bridge_fgo import hostmem
+    from bridge_fgo.engine.streamed.engine import StreamedEngine
     from bridge_fgo.hostmem import pinning
     from bridge_fgo.instrument import targets
     from test_streamed import rig
 
+    assert StreamedEngine.register_after_load  # the default (one H200, 2026-11-29: the load's least cost)
+    monkeypatch.setattr(StreamedEngine, "register_after_load", after)
     pins, waits, real = [], [], hostmem.pin
 
-    def pin(n, **k):  # CPU: nothing registers; a deferred one is stood in by a finished thread
+    def pin(n, **k):  # CPU: nothing registers; a deferred one is stood in by a thread that does nothing
         buf = real(n, **k)
-        pins.append(k.get("defer", False))
+        pins.append((k.get("defer", False), k.get("start", True)))
         if k.get("defer"):
             thread = threading.Thread(target=lambda: None)
-            thread.start()
+            thread.start() if k.get("start", True) else None
             buf._held.update(pending=thread, register_result=0)
+            buf.held_back = not k.get("start", True)
         return buf
     monkeypatch.setattr(hostmem, "pin", pin)
     real_wait = pinning.PinnedHost.wait
@@ -330,21 +338,24 @@ def test_the_buffers_registration_runs_beside_the_load_and_is_waited_for_after_i
     def load(state, model, optimizer, scheduler):
         (session,) = bridge_fgo.instrument.patcher._current.callsites.registry.sessions()
         buf = session.adapter.engine.buffer
-        during.append((buf.pending, [w for w in waits if w]))
+        during.append((buf.pending, buf._held["pending"].ident is not None, [w for w in waits if w]))
         return 0, 0
 
     site(load, None, (types.SimpleNamespace(cfg=r.cfg), r.model, r.optimizer, None), {})
-    assert pins == [True] and during == [(True, [])]  # registering while the load ran
-    assert True in waits  # waited for when the load returned
     (session,) = bridge_fgo.instrument.patcher._current.callsites.registry.sessions()
-    assert not session.adapter.engine.buffer.pending
+    buf = session.adapter.engine.buffer
+    assert pins == [(True, not after)] and during == [(True, not after, [])]  # registering beside the reads, or not
+    if after:
+        assert buf.pending and buf._held["pending"].ident is not None and waits == []  # started, not waited for
+        session.adapter.engine.transfers.ready()  # the buffer's first use (the warm pass, a copy)
+    assert True in waits and not buf.pending  # waited for when the load returned, or at the first use
     bridge_fgo.unpatch()
     bridge_fgo.patch(offload="builtin", chunk_mb=1)
     pins.clear()
     from support import harness
 
     harness.run_steps(rig(optimizer="te"), steps=1)
-    assert pins == [False]
+    assert pins == [(False, True)]
 
 
 @pytest.mark.parametrize("case", ["te", "te-precision-aware-bf16"])

@@ -86,8 +86,8 @@ _UNTIMED = _Untimed()
 
 # StreamedEngine.register_after_load: where a checkpoint load's buffer registration runs: beside the load's reads
 # (False), or after them, beside what follows the load (True; the first use of the buffer waits for it, and the warm
-# pass moves to the first step). Issue 43 measures which costs a load less (scripts/bench_reads_beside_pinning.py,
-# and BENCH_LOAD_REGISTER in scripts/bench_saves.py); False until then.
+# pass moves to the first step). After: one H200, 2026-11-29, the load 3.68 s (3.64-3.69) against 3.86 s (3.43-3.93)
+# beside, n=3 each in one call, without offload 3.07 s (n=6); nothing waited for it (docs/benchmarks.md#gpu-2026-11-29k).
 class StreamedEngine:
     def __init__(self, dist_optimizers, chunk_bytes: int, budget_bytes: Optional[int] = None, auto: bool = False,
                  norms_in_update: bool = False):
@@ -127,7 +127,7 @@ class StreamedEngine:
     auto = property(lambda self: self.fitting.auto)
     budget_note = property(lambda self: self.fitting.budget_note)
     window_note = property(lambda self: self.fitting.window_note)
-    register_after_load = False  # where a checkpoint load's registration runs (the comment above the class)
+    register_after_load = True  # where a checkpoint load's registration runs (the comment above the class)
 
     # (a test gives a probe in place of a GPU's figures)
     probe = property(lambda self: self.fitting.probe, lambda self, probe: setattr(self.fitting, "probe", probe))
