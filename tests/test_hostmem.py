@@ -836,6 +836,23 @@ def test_a_held_back_registration_starts_when_told_or_when_waited_for(fake_cuda,
     started.free()
 
 
+def test_a_held_back_registration_never_started_registers_nothing_when_the_buffer_goes(fake_cuda, tmp_path, caplog):
+    """pin(defer=True, start=False) and then released before start_registration() (a preparation that raised before
+    the load; the buffer dropped on an exception path): nothing registers, nothing unregisters, nothing is said,
+    freed or collected alike."""
+    caplog.set_level(logging.DEBUG, logger="bridge_fgo")
+    bytes0, buffers0 = hostmem.pinned_bytes(), hostmem.live_buffers()
+    buf = hostmem.pin(4096, root=str(tmp_path), defer=True, start=False)
+    assert hostmem.pinned_bytes() == bytes0 + 4096
+    buf.free()
+    dropped = hostmem.pin(8192, root=str(tmp_path), defer=True, start=False)
+    del dropped
+    gc.collect()
+    assert fake_cuda.calls == [] and buf.freed and not buf.registered
+    assert (hostmem.pinned_bytes(), hostmem.live_buffers()) == (bytes0, buffers0)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
 def test_a_buffer_freed_before_its_deferred_registration_ends_is_unregistered_after_it(fake_cuda, tmp_path):
     buf = hostmem.pin(4096, root=str(tmp_path), defer=True)
     buf.free()  # joins the registration first

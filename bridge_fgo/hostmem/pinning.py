@@ -111,7 +111,10 @@ def _release(held: Dict[str, object], device: Optional[int], nbytes: int, method
     PinnedHost's weakref.finalize calls it, so it runs once: from free(), or when the PinnedHost is
     collected."""
     pending = held.pop("pending", None)
-    if pending is not None:  # a deferred registration still running: it finishes before anything is undone
+    if pending is not None and pending.ident is None:  # held back and never started: nothing was registered
+        held["unpinned"] = True
+        _count(-nbytes, 0)
+    elif pending is not None:  # a deferred registration still running: it finishes before anything is undone
         pending.join()
         _settle(held, nbytes)
     tensor = held.pop("tensor")
@@ -254,7 +257,9 @@ class PinnedHost:
     def free(self) -> None:
         """Unregister and drop the buffer; later calls do nothing."""
         if self._finalizer.alive:
-            self.wait()
+            pending = self._held.get("pending")
+            if pending is None or pending.ident is not None:  # one held back, never started, is not started now
+                self.wait()
             self._held["by"] = "free()"
             self._finalizer()
 
