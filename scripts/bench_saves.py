@@ -31,7 +31,9 @@ seconds go, with offload and without (issue 43). It slows the load a little in b
 BENCH_LOAD_REGISTER=before|beside|after: the host buffer a load prepares is registered (cudaHostRegister) before
 the load (bridge_fgo's pin(defer=True) called without defer), beside its reads, or after them (the engine's
 register_after_load, its default since 2026-11-29): where does the registration cost a load least? (issue 43;
-recorded as load_register)
+recorded as load_register). BENCH_LOAD_TOUCH=skip: that buffer's pages are not faulted in before the load (the
+load's copies and the registration fault them in as they write; a page is zeroed by the kernel once either way,
+and the touch writes it once more): does the touch cost a load more than it saves its copies? (load_touch)
 
 Importing this module imports neither torch nor Megatron.
 """
@@ -158,6 +160,10 @@ def instrument_setup(held):
     if register in ("beside", "after"):  # for this process: where the run's engine registers a load's buffer
         StreamedEngine.register_after_load = register == "after"
     held["load_register"] = register or ("after" if StreamedEngine.register_after_load else "beside")
+    touch = os.environ.get("BENCH_LOAD_TOUCH")
+    if touch not in (None, "skip"):
+        raise SystemExit(f"BENCH_LOAD_TOUCH={touch!r}: 'skip' (or unset: the buffer's pages faulted in before the load)")
+    held["load_touch"] = touch or "before"
     profile_top = os.environ.get("BENCH_PROFILE_LOAD")
     if profile_top is not None and not (profile_top.isdigit() and int(profile_top) > 0):
         raise SystemExit(f"BENCH_PROFILE_LOAD={profile_top!r}: a positive integer (how many functions to record)")
@@ -208,7 +214,11 @@ def instrument_setup(held):
         if register == "before":
             kw["defer"] = False
         t0 = time.perf_counter()
-        buf = pin(nbytes, **kw)
+        with contextlib.ExitStack() as stack:
+            if touch == "skip" and kw.get("defer"):  # the load's writes (and the registration) fault the pages in
+                stack.enter_context(mock.patch.object(pinning._numa, "first_touch", lambda tensor, target: (
+                    None, "not touched before the load (BENCH_LOAD_TOUCH=skip)")))
+            buf = pin(nbytes, **kw)
         held["pins"].append({"bytes": nbytes, "pin_s": time.perf_counter() - t0, "deferred": bool(kw.get("defer")),
                              "during": held["running"][-1] if held["running"] else "first step",
                              "method": buf.method})
@@ -254,6 +264,7 @@ def setup_figures(held, recs):
         "load_threads": held.get("load_threads"),
         "load_profile": held.get("load_profile"),
         "load_register": held.get("load_register"),
+        "load_touch": held.get("load_touch"),
         "pins": pins,
         "setup_pin_s": sum(p.get("pin_s", 0.0) for p in pins if p["during"] == "model-and-optimizer-setup"),
         "setup_unpin_s": sum(p.get("free_s", 0.0) for p in pins if p["during"] == "model-and-optimizer-setup"),

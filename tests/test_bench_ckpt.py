@@ -119,6 +119,38 @@ def test_bench_profile_load_records_where_the_load_went(restore_patched, monkeyp
         saves.instrument_setup({})
 
 
+def test_bench_load_touch_skip_leaves_a_loads_buffer_untouched(restore_patched, monkeypatch):
+    """BENCH_LOAD_TOUCH=skip: the buffer a load prepares (pin(defer=True)) is not faulted in before it; every other
+    pin is, as the engine does it; the real first touch is back afterwards."""
+    import torch
+
+    from bridge_fgo import hostmem
+    from bridge_fgo.hostmem import numa, pinning
+
+    real_touch, touched = numa.first_touch, []
+    monkeypatch.setattr(numa, "first_touch", lambda tensor, target: touched.append(tensor.numel()) or
+                        real_touch(tensor, target))
+    engine_touch = numa.first_touch
+    monkeypatch.setenv("BENCH_LOAD_TOUCH", "skip")
+    held = {}
+    saves.instrument_setup(held)
+    # pin()'s path on a GPU host, where it touches; nothing registers (a stand-in; the load's thread never starts)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(numa, "numa_target", lambda device, root=None: numa.NumaTarget(None, (), "a test"))
+    monkeypatch.setattr(pinning, "_register", lambda tensor, device, nbytes: 0)
+    monkeypatch.setattr(pinning, "_unregister", lambda tensor, device, nbytes: None)
+    loads = hostmem.pin(4096, defer=True, start=False)
+    assert touched == [] and loads.placement == "not touched before the load (BENCH_LOAD_TOUCH=skip)"
+    assert numa.first_touch is engine_touch
+    loads.free()
+    hostmem.pin(8192).free()  # the first step's or the construction's: touched
+    assert touched == [8192] and saves.setup_figures(held, [])["load_touch"] == "skip"
+    monkeypatch.setenv("BENCH_LOAD_TOUCH", "later")
+    with pytest.raises(SystemExit, match="BENCH_LOAD_TOUCH='later': 'skip'"):
+        saves.instrument_setup({})
+
+
 @pytest.mark.parametrize("register, deferred", [(None, True), ("before", False), ("beside", True), ("after", True)])
 def test_bench_load_register_places_the_buffers_registration(restore_patched, monkeypatch, register, deferred):
     from bridge_fgo import hostmem

@@ -20,8 +20,9 @@
 # checkpoint) so that a group's 7 runs fit about 4.5 minutes; LAYERS=16 is the 887M model itself (about
 # 2.5x longer runs: one group a call). BENCH_LOAD_THREADS=N (passed to every run): torch's threads during the
 # load, with and without offload alike (scripts/bench_saves.py). BENCH_PROFILE_LOAD=N: each run's load profiled
-# (the summary shows where its time went); BENCH_LOAD_REGISTER=before|after: the buffer registered before the
-# load, or after its reads, not beside them (bench_saves.py); BENCH_CKPT_RESULTS=DIR: the results there (default /tmp/i43; the checkpoints in
+# (the summary shows where its time went); BENCH_LOAD_REGISTER=before|beside|after: the buffer registered before the
+# load, beside its reads, or after them (the default); BENCH_LOAD_TOUCH=skip: its pages not faulted in before the
+# load (bench_saves.py); BENCH_CKPT_RESULTS=DIR: the results there (default /tmp/i43; the checkpoints in
 # DIRck), so a second pass of a group under other settings runs in the same call (--logs DIR to get it back).
 set -u
 DEADLINE_S=${DEADLINE_S:-540}
