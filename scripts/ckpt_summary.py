@@ -27,7 +27,8 @@ import statistics
 
 TARGET = 1.1
 GROUPS = ("one-dp", "one-full", "one-dp-1t", "one-fsdp", "dp2-dp", "dp2-full", "dp2-fsdp")
-RUN = re.compile(r"^(?P<group>[a-z0-9-]+)_(?P<mode>base|builtin)_r(?P<rep>\d+)\.json$")
+# builtin-NAME: bench_ckpt.sh's BENCH_CKPT_VARIANT, builtin under other settings, interleaved with the two
+RUN = re.compile(r"^(?P<group>[a-z0-9-]+)_(?P<mode>base|builtin(?:-[a-z0-9]+)?)_r(?P<rep>\d+)\.json$")
 
 
 def _load(path):
@@ -119,10 +120,10 @@ def _where(name):
     return (f"{m[2]}.{m[1]}" if m.re.groups == 2 else m[1]) if m else name
 
 
-def profile_lines(modes, top=8):
+def profile_lines(modes, ours_mode="builtin", top=8):
     """The functions of most own time during the load, medians over each mode's profiled runs."""
     per_mode = {mode: [r["load_profile"] for r in modes.get(mode, []) if r["load_profile"]]
-                for mode in ("base", "builtin")}
+                for mode in ("base", ours_mode)}
     if not any(per_mode.values()):
         return []
     medians = {mode: {f: statistics.median(p[f] for p in profs if f in p) for f in {f for p in profs for f in p}}
@@ -130,66 +131,78 @@ def profile_lines(modes, top=8):
     names = sorted({f for m in medians.values() for f in m},
                    key=lambda f: -max(m.get(f, 0.0) for m in medians.values()))
     n = {mode: len(profs) for mode, profs in per_mode.items()}
-    lines = [f"  the load's own time by function (median, profiled runs: base {n['base']}, builtin {n['builtin']})"]
+    lines = [f"  the load's own time by function (median, profiled runs: base {n['base']}, {ours_mode} {n[ours_mode]})"]
     for f in names[:top]:
         got = {mode: (f"{medians[mode][f]:.3f} s" if f in medians[mode] else "-") for mode in medians}
-        lines.append(f"    {_where(f)[:44]:44s} base {got['base']:>9s}   builtin {got['builtin']:>9s}")
+        lines.append(f"    {_where(f)[:44]:44s} base {got['base']:>9s}   {ours_mode} {got[ours_mode]:>9s}")
     return lines
 
 
 def summarize(results, link_gbs=45.0):
+    """The summary's text and each comparison's verdict: {group: ...} for builtin against base, {"group
+    builtin-NAME": ...} for each variant."""
     runs = collect(results)
     lines, verdicts = [], {}
     for group in [g for g in GROUPS if g in runs] + sorted(set(runs) - set(GROUPS)):
-        lines.append(f"== {group} ==")
-        stats = {mode: {k: stat([r[k] for r in runs[group].get(mode, [])]) for k, _ in KEYS}
-                 for mode in ("base", "builtin")}
-        for key, name in KEYS:
-            unit = "GiB" if key.endswith("gib") else "s"
-            lines.append(f"{name:48s} base {fmt(stats['base'][key], unit):32s} "
-                         f"builtin {fmt(stats['builtin'][key], unit)}")
-        lines += profile_lines(runs[group])
-        base, ours = stats["base"], stats["builtin"]
-        checks = []
-        for key, name in (("async_first_s", "async stall, first"), ("async_next_s", "async stall, the next"),
-                          ("sync_save_s", "sync save"), ("load_s", "load")):
-            line, ok = ratio_line(name, base[key], ours[key])
-            lines.append(line)
-            checks.append(ok)
-        if ours["first_after_load_s"] and ours["steady_s"]:
-            r = ours["first_after_load_s"]["median"] / ours["steady_s"]["median"]
-            ok = r <= TARGET
-            lines.append(f"  first iteration after the load / builtin's steady step: {r:.2f}x (target <= {TARGET}x: "
-                         f"{'MET' if ok else 'NOT met'})")
-            checks.append(ok)
-            if base["first_after_load_s"] and base["steady_s"]:  # beside it, what the same ratio is without offload
-                lines.append(f"    without offload: {base['first_after_load_s']['median'] / base['steady_s']['median']:.2f}x "
-                             f"its steady step; builtin's first iteration / base's: "
-                             f"{ours['first_after_load_s']['median'] / base['first_after_load_s']['median']:.2f}x")
-                # without offload the first iteration after a load is itself 3-4x a steady step (warm-up): the
-                # offload's share is its first iteration against base's plus what every streamed step adds
-                plus = base["first_after_load_s"]["median"] + ours["steady_s"]["median"] - base["steady_s"]["median"]
-                lines.append(f"    builtin's first iteration / (base's + the streamed step's own cost, builtin's steady "
-                             f"step - base's): {ours['first_after_load_s']['median'] / plus:.2f}x")
-        if base["setup_s"] and ours["setup_s"]:
-            landing = [r["landing_bytes"] for r in runs[group].get("builtin", []) if r["landing_bytes"]]
-            link_s = (statistics.median(landing) / (link_gbs * 1e9)) if landing else 0.0
-            pin = ours["setup_pin_s"]["median"] if ours["setup_pin_s"] else 0.0
-            added = ours["setup_s"]["median"] - base["setup_s"]["median"]
-            ok = added <= link_s + pin
-            lines.append(f"  setup adds {added:.3f} s; allowed: the masters over the link {link_s:.3f} s (at "
-                         f"{link_gbs} GB/s) + the pinning {pin:.3f} s ({'MET' if ok else 'NOT met'})")
-            checks.append(ok)
-        compare = _compare(results, group)
-        lines.append(f"  checkpoints builtin vs base: {compare[0]}")
-        checks.append(compare[1])
-        verdicts[group] = all(c is True for c in checks)
-        lines.append(f"  all targets: {'MET' if verdicts[group] else 'NOT all met'}")
+        for ours in ["builtin"] + sorted(m for m in runs[group] if m.startswith("builtin-")):
+            name = group if ours == "builtin" else f"{group} {ours}"
+            lines.append(f"== {group} ==" if ours == "builtin" else f"== {group}, {ours} (builtin with "
+                                                                     "BENCH_CKPT_VARIANT's settings) ==")
+            verdicts[name] = _report(lines, results, runs[group], group, ours, link_gbs)
     return "\n".join(lines), verdicts
 
 
-def _compare(results, group):
-    path = os.path.join(results, f"{group}_compare.json")
+def _report(lines, results, modes, group, ours_mode, link_gbs):
+    """One group's table and targets, `ours_mode` (builtin or a variant) against base, appended to `lines`;
+    whether every target was met."""
+    stats = {mode: {k: stat([r[k] for r in modes.get(mode, [])]) for k, _ in KEYS} for mode in ("base", ours_mode)}
+    for key, name in KEYS:
+        unit = "GiB" if key.endswith("gib") else "s"
+        lines.append(f"{name:48s} base {fmt(stats['base'][key], unit):32s} "
+                     f"{ours_mode} {fmt(stats[ours_mode][key], unit)}")
+    lines += profile_lines(modes, ours_mode)
+    base, ours = stats["base"], stats[ours_mode]
+    checks = []
+    for key, name in (("async_first_s", "async stall, first"), ("async_next_s", "async stall, the next"),
+                      ("sync_save_s", "sync save"), ("load_s", "load")):
+        line, ok = ratio_line(name, base[key], ours[key])
+        lines.append(line)
+        checks.append(ok)
+    if ours["first_after_load_s"] and ours["steady_s"]:
+        r = ours["first_after_load_s"]["median"] / ours["steady_s"]["median"]
+        ok = r <= TARGET
+        lines.append(f"  first iteration after the load / {ours_mode}'s steady step: {r:.2f}x (target <= {TARGET}x: "
+                     f"{'MET' if ok else 'NOT met'})")
+        checks.append(ok)
+        if base["first_after_load_s"] and base["steady_s"]:  # beside it, what the same ratio is without offload
+            lines.append(f"    without offload: {base['first_after_load_s']['median'] / base['steady_s']['median']:.2f}x "
+                         f"its steady step; {ours_mode}'s first iteration / base's: "
+                         f"{ours['first_after_load_s']['median'] / base['first_after_load_s']['median']:.2f}x")
+            # without offload the first iteration after a load is itself 3-4x a steady step (warm-up): the
+            # offload's share is its first iteration against base's plus what every streamed step adds
+            plus = base["first_after_load_s"]["median"] + ours["steady_s"]["median"] - base["steady_s"]["median"]
+            lines.append(f"    {ours_mode}'s first iteration / (base's + the streamed step's own cost, {ours_mode}'s "
+                         f"steady step - base's): {ours['first_after_load_s']['median'] / plus:.2f}x")
+    if base["setup_s"] and ours["setup_s"]:
+        landing = [r["landing_bytes"] for r in modes.get(ours_mode, []) if r["landing_bytes"]]
+        link_s = (statistics.median(landing) / (link_gbs * 1e9)) if landing else 0.0
+        pin = ours["setup_pin_s"]["median"] if ours["setup_pin_s"] else 0.0
+        added = ours["setup_s"]["median"] - base["setup_s"]["median"]
+        ok = added <= link_s + pin
+        lines.append(f"  setup adds {added:.3f} s; allowed: the masters over the link {link_s:.3f} s (at "
+                     f"{link_gbs} GB/s) + the pinning {pin:.3f} s ({'MET' if ok else 'NOT met'})")
+        checks.append(ok)
+    compare = _compare(results, group, ours_mode)
+    lines.append(f"  checkpoints {ours_mode} vs base: {compare[0]}")
+    checks.append(compare[1])
+    verdict = all(c is True for c in checks)
+    lines.append(f"  all targets: {'MET' if verdict else 'NOT all met'}")
+    return verdict
+
+
+def _compare(results, group, ours_mode="builtin"):
+    path = os.path.join(results, f"{group}_compare.json" if ours_mode == "builtin" else
+                        f"{group}_{ours_mode}_compare.json")
     try:
         with open(path) as f:
             rows = json.load(f)

@@ -299,6 +299,56 @@ def test_the_gpu_script_keeps_a_second_pass_in_a_folder_of_its_own(tmp_path):
     assert got[0].startswith("i43reg-") and got[0].endswith(".tgz") and got[1:] == ["summary-i43reg.txt"]
 
 
+FAKE_PYTHON = """#!/usr/bin/env bash
+# python3 on the fake PATH: a run records its settings and leaves its JSON and checkpoint folder; the summary
+# runs for real; a checkpoint comparison says identical
+echo "${BENCH_LOAD_TOUCH:-}|$*" >> "$RUNS_LOG"
+args=("$@")
+for i in "${!args[@]}"; do
+  case ${args[$i]} in --out) out=${args[$((i + 1))]} ;; --save) save=${args[$((i + 1))]} ;; --compare) cmp=${args[$((i + 1))]} ;; esac
+done
+if [[ -n ${cmp:-} ]]; then echo '[{"iteration": 4, "identical": true}]' > "$cmp"; echo "iteration 4: identical"; exit 0; fi
+if [[ "$*" == *ckpt_summary.py* ]]; then exec "$REAL_PYTHON" "$@"; fi
+mkdir -p "$save"
+echo '{"summary": {"load_s": 1.0, "setup_s": 0.1}}' > "$out"
+"""
+
+
+def test_a_variant_runs_in_each_repetition_beside_base_and_builtin_and_is_compared(tmp_path):
+    """BENCH_CKPT_VARIANT="NAME VAR=VALUE": a third mode, builtin-NAME, run right after base and builtin in each
+    repetition with those variables (only it), its checkpoints compared with base's, its own block in the summary."""
+    import sys
+
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "python3").write_text(FAKE_PYTHON)
+    (fake / "python3").chmod(0o755)
+    results, log = tmp_path / "res", tmp_path / "runs.log"
+    env = dict(os.environ, PATH=f"{fake}:{os.environ['PATH']}", RUNS_LOG=str(log), REAL_PYTHON=sys.executable,
+               BENCH_CKPT_RESULTS=str(results), BENCH_CKPT_VARIANT="touchskip BENCH_LOAD_TOUCH=skip", REPS="2")
+    env.pop("OUT", None)
+    done = subprocess.run(["bash", os.path.join("scripts", "gpu", "bench_ckpt.sh"), "one-dp"], cwd=ROOT, env=env,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    runs = [line.split("|", 1) for line in log.read_text().splitlines() if "bench_offload.py" in line]
+    got = [(touch, "--mode builtin" in cmd, "bridge_fgo.cli.launcher" in cmd,
+            os.path.basename(cmd.split("--out ")[1].split()[0])) for touch, cmd in runs]
+    assert got == [("", False, False, "one-dp_prep.json")] + [
+        run for rep in (1, 2) for run in (("", False, False, f"one-dp_base_r{rep}.json"),
+                                          ("", True, True, f"one-dp_builtin_r{rep}.json"),
+                                          ("skip", True, True, f"one-dp_builtin-touchskip_r{rep}.json"))]
+    assert "COMPARE one-dp builtin: iteration 4: identical" in done.stdout
+    assert "COMPARE one-dp builtin-touchskip: iteration 4: identical" in done.stdout
+    assert not (tmp_path / "resck" / "one-dp").exists()  # every run and both comparisons done: removed
+    text = (results / "summary.txt").read_text()
+    assert "== one-dp ==" in text and "== one-dp, builtin-touchskip (builtin with BENCH_CKPT_VARIANT's settings) ==" in text
+    assert "checkpoints builtin-touchskip vs base: iteration 4: identical" in text
+    env["BENCH_CKPT_VARIANT"] = "Touch Skip"
+    done = subprocess.run(["bash", os.path.join("scripts", "gpu", "bench_ckpt.sh"), "one-dp"], cwd=ROOT, env=env,
+                          capture_output=True, text=True)
+    assert done.returncode == 2 and "BENCH_CKPT_VARIANT='Touch Skip': 'NAME VAR=VALUE...'" in done.stderr
+
+
 def test_each_run_leaves_a_tarball_that_comes_back_if_the_call_is_cut(tmp_path):
     """deadline_runs.sh: after each run, what is done so far is tarred into $OUT (a call its limit ends before
     run_kit.sh tars the logs still returns it; run_kit.sh removes it once its own holds everything)."""

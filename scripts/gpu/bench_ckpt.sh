@@ -7,7 +7,7 @@
 #   torchrun starts every rank of a multi-GPU run. Default: one-dp one-full dp2-dp dp2-full (more than one
 #   device call holds: see below).
 # Issue 43: checkpoint I/O with and without offload. Per group, one base run saves a checkpoint at
-# iteration 2 (PREP); then REPS runs of each mode (base, builtin), interleaved, each resumed from it (the
+# iteration 2 (PREP); then REPS runs of each mode (base, builtin[, a variant]), interleaved, each resumed from it (the
 # load, the first iteration after it, setup), training to 8 and saving every 2 iterations: at 4
 # asynchronously (the first stall), at 6 asynchronously (the next one; where the first is still pending, with
 # offload it gets a second snapshot, or finishes the first without room: the summary says how long finishing
@@ -24,6 +24,9 @@
 # load, beside its reads, or after them (the default); BENCH_LOAD_TOUCH=skip: its pages not faulted in before the
 # load (bench_saves.py); BENCH_CKPT_RESULTS=DIR: the results there (default /tmp/i43; the checkpoints in
 # DIRck), so a second pass of a group under other settings runs in the same call (--logs DIR to get it back).
+# BENCH_CKPT_VARIANT="NAME VAR=VALUE...": a third mode, builtin-NAME (builtin with those variables), run in each
+# repetition right after base and builtin, its checkpoints compared with base's too: two settings compared within
+# one call's noise (a load varied by 0.8 s between runs of one call without offload, one H200, 2026-11-29).
 set -u
 DEADLINE_S=${DEADLINE_S:-540}
 MIN_S=${MIN_S:-45}
@@ -31,6 +34,12 @@ REPS=${REPS:-3}
 LAYERS=${LAYERS:-4}
 OPT=${OPT:-te}
 R=${BENCH_CKPT_RESULTS:-/tmp/i43}; CK=${R}ck; mkdir -p $R $CK
+read -r VARIANT VARIANT_ENV <<< "${BENCH_CKPT_VARIANT:-}"
+name_re='^[a-z0-9]+$' env_re='^([A-Z_][A-Z0-9_]*=[^ ]*( |$))+$'
+if [[ -n $VARIANT && ! ( $VARIANT =~ $name_re && $VARIANT_ENV =~ $env_re ) ]]; then
+  echo "BENCH_CKPT_VARIANT='$BENCH_CKPT_VARIANT': 'NAME VAR=VALUE...' (NAME of a-z and 0-9)" >&2; exit 2
+fi
+MODES="base builtin${VARIANT:+ builtin-$VARIANT}"
 source "$(dirname "${BASH_SOURCE[0]}")/deadline_runs.sh"   # run NAME CMD..., left, PATCH, start
 B="scripts/bench_offload.py run --optimizer $OPT --layers $LAYERS"
 cmd() {  # cmd LAYOUT MODE: the launch of one run
@@ -43,6 +52,7 @@ cmd() {  # cmd LAYOUT MODE: the launch of one run
   case $2 in
     base) echo "$launch --mode base" ;;
     builtin) echo "$PATCH $launch --mode builtin" ;;
+    builtin-*) echo "env $VARIANT_ENV $PATCH $launch --mode builtin" ;;
   esac
 }
 group() {  # group NAME LAYOUT FORMAT-ARGS...
@@ -50,22 +60,25 @@ group() {  # group NAME LAYOUT FORMAT-ARGS...
   local fmt="$*"
   run ${g}_prep $(cmd $layout base) --iters 2 --save $CK/$g/prep --save-interval 2 $fmt
   for rep in $(seq 1 $REPS); do
-    for mode in base builtin; do
+    for mode in $MODES; do
       local name=${g}_${mode}_r${rep}
       run $name env BENCH_SYNC_AT=8 $(cmd $layout $mode) --iters 8 --load $CK/$g/prep --ckpt-step 2 \
         --save $CK/$g/$name --save-interval 2 --async-save $fmt
       [[ $rep == 1 ]] || rm -rf $CK/$g/$name
     done
   done
-  if [[ ! -f $R/${g}_compare.json && -d $CK/$g/${g}_base_r1 && -d $CK/$g/${g}_builtin_r1 ]]; then
-    python3 scripts/ckpt_summary.py --compare $R/${g}_compare.json $CK/$g/${g}_base_r1 $CK/$g/${g}_builtin_r1 4 8 \
-      > $R/${g}_compare.log 2>&1
-    echo "COMPARE $g: $(tr '\n' ' ' < $R/${g}_compare.log)"
-  fi
-  # kept while a later call needs it: a run of the group without its JSON (it resumes from prep), or the compare
-  local missing=0
-  for rep in $(seq 1 $REPS); do for mode in base builtin; do [[ -f $R/${g}_${mode}_r${rep}.json ]] || missing=1; done; done
-  [[ $missing == 1 || ! -f $R/${g}_compare.json ]] || rm -rf $CK/$g
+  # kept while a later call needs it: a run of the group without its JSON (it resumes from prep), or a compare
+  local missing=0 ours cmp
+  for ours in ${MODES#base }; do
+    cmp=$R/${g}_compare; [[ $ours == builtin ]] || cmp=$R/${g}_${ours}_compare
+    if [[ ! -f $cmp.json && -d $CK/$g/${g}_base_r1 && -d $CK/$g/${g}_${ours}_r1 ]]; then
+      python3 scripts/ckpt_summary.py --compare $cmp.json $CK/$g/${g}_base_r1 $CK/$g/${g}_${ours}_r1 4 8 > $cmp.log 2>&1
+      echo "COMPARE $g $ours: $(tr '\n' ' ' < $cmp.log)"
+    fi
+    [[ -f $cmp.json ]] || missing=1
+  done
+  for rep in $(seq 1 $REPS); do for mode in $MODES; do [[ -f $R/${g}_${mode}_r${rep}.json ]] || missing=1; done; done
+  [[ $missing == 1 ]] || rm -rf $CK/$g
 }
 [[ $# -gt 0 ]] || set -- one-dp one-full dp2-dp dp2-full
 for g in "$@"; do
