@@ -255,11 +255,9 @@ class PinnedHost:
         return tensor is not None and tensor.untyped_storage().data_ptr() != self._data_ptr
 
     def free(self) -> None:
-        """Unregister and drop the buffer; later calls do nothing."""
+        """Unregister and drop the buffer; later calls do nothing. A deferred registration is settled by the
+        release itself: joined when it started, dropped unstarted when held back."""
         if self._finalizer.alive:
-            pending = self._held.get("pending")
-            if pending is None or pending.ident is not None:  # one held back, never started, is not started now
-                self.wait()
             self._held["by"] = "free()"
             self._finalizer()
 
