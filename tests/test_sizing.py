@@ -47,7 +47,7 @@ def test_where_the_step_sets_the_peak_the_window_stays_where_it_was():
                       largest_chunk=256 * MIB)
     assert first.scratch(256 * MIB) == int(6.3 * GIB - 5.6 * GIB - 512 * MIB)  # measured, not the contract's
     size, slots, why = sizing.choose(window_of, first, 12 * GIB)
-    assert (size, slots) == (256 * MIB, 2) and "the least: a larger window would raise the peak" in why
+    assert (size, slots) == (256 * MIB, 2) and "256 MB, the least window: every window would raise the peak" in why
 
 
 def test_scratch_comes_from_the_contract_unless_measured():
@@ -375,3 +375,93 @@ def test_the_engine_steps_exactly_through_one_slot(kind):
         step(base)
         step(opt, engine)
         assert_same(snapshot(base), snapshot(opt))
+
+
+def bench_model():
+    """The plan of the bench's 4-layer model on one GPU, the real layout: TE FusedAdam's fp32 master and moments,
+    the untied embedding and output layer (750 MiB of states each) at either end of the buffer.
+    (window_of, the bytes of one of those)."""
+    from bridge_fgo.engine import layout
+    from bridge_fgo.engine.tensors import MASTER, STATE, Entry
+
+    hidden, ffn, vocab = 2048, 5632, 32000
+    layer = [hidden * 4096, hidden * hidden, hidden, 2 * ffn * hidden, ffn * hidden, hidden]  # qkv, proj, norm, fc1, ...
+    numels = [vocab * hidden] + layer * 4 + [hidden, vocab * hidden]
+
+    def bundle(n):
+        return layout.Bundle(0, 0, None, [Entry(MASTER, None, None, (n,), None, 4 * n)]
+                             + [Entry(STATE, None, k, (n,), None, 4 * n) for k in ("exp_avg", "exp_avg_sq")])
+
+    bundles = [bundle(n) for n in numels]
+    layout.place(bundles)
+
+    def window_of(size, slots=2):
+        chunks = layout.chunks_of(bundles, size)
+        return sum(layout.window_sizes(chunks, slots)), max(c.nbytes for c in chunks), len(chunks)
+
+    return window_of, 12 * vocab * hidden
+
+
+def test_the_first_window_grows_where_a_larger_cut_puts_the_largest_states_in_one_slot():
+    """The bench's model (H200, 2026-11-29): cut at 256 MB the embedding's and output layer's states fall into
+    both slots, a 1500 MiB window over 1287 MiB of headroom, so the first step went through one slot; cut at
+    384 MB they share one (930 MiB), the window the steady step took."""
+    real, big = bench_model()
+    assert real(256 * MIB)[0] == 2 * big  # both slots hold one of them
+    first = FirstStep(before=3.23 * GIB, backward=3.23 * GIB, base=1.91 * GIB)  # TE: no scratch of its own
+    assert 2 * big > first.headroom() > big + 128 * MIB
+    size, slots, why = sizing.first(real, first, 256 * MIB)
+    assert slots == 2 and size > 256 * MIB and sizing.fits(real, first, size, 2)
+    assert all(not sizing.fits(real, first, s * MIB, 2) for s in range(256, size // MIB, sizing.STEP_MB))
+    assert f"{size // MIB} MB chunks, not 256" in why and "share a slot" in why
+    assert real(size)[0] < real(256 * MIB)[0] and real(size)[1] == big
+    # where no larger cut fits either, one slot, as before
+    tight = FirstStep(before=3.23 * GIB, backward=3.23 * GIB, base=3.23 * GIB - margin(3.23 * GIB) - big - 200 * MIB)
+    assert sizing.first(real, tight, 256 * MIB)[:2] == (256 * MIB, 1)
+
+
+def test_where_every_window_raises_the_peak_the_one_that_raises_it_least():
+    """Megatron-FSDP on one H200 (2026-11-29): the step's measured scratch left no window under the peak, and 256
+    MB chunks with two slots (1500 MiB) raised it most; the least window is a cut where the largest states share
+    a slot, not the least chunk size."""
+    real, big = bench_model()
+    first = FirstStep(before=2.5 * GIB, backward=2.5 * GIB, base=1.29 * GIB, step=3.21 * GIB, window=big,
+                      largest_chunk=big)
+    assert not sizing.fits(real, first, 256 * MIB, 1)
+    size, slots, why = sizing.choose(real, first, 3838009344, floor=256 * MIB)
+    assert slots == 2 and real(size)[0] < real(256 * MIB)[0]
+    assert all(sizing.need(real, first, size, 2) <= sizing.need(real, first, s * MIB, 2) for s in range(256, 1025, 32))
+    assert f"{size // MIB} MB, the least window: every window would raise the peak" in why
+
+
+def make_shaped(shapes):
+    from support import harness
+
+    opt = harness.make_distributed_optimizer(harness.Recorder(), with_tensors=True, shapes=shapes)
+    opt.per_bucket_numel = opt.per_bucket_numel_unpadded = [{}]
+    return opt
+
+
+def test_the_engines_first_step_takes_a_larger_cut_where_it_shares_the_largest_states_slot(monkeypatch, caplog):
+    """The engine's own plan: two large parameters around three small ones. Cut at 128 "MB" (a "MB" of 16 bytes
+    here) the large ones go into both slots, at 160 too, at 192 they share one; the first step takes 192,
+    exact, under the headroom."""
+    monkeypatch.setattr(sizing, "MIB", 16)
+    shapes = ((32, 32), (8, 8), (8, 8), (8, 8), (32, 32))
+    base, opt = make_shaped(shapes), make_shaped(shapes)
+    engine = engine_for(opt, 128 * 16, auto=True)
+    scratch = engine.parts[0].contract.step_scratch
+    narrow, _, _ = engine.fitting.window_at(192 * 16, 2)
+    assert engine.fitting.window_at(160 * 16, 2)[0] > narrow  # both cut the large ones into both slots
+    wide, largest, _ = engine.fitting.window_at(128 * 16, 2)
+    assert wide > narrow
+    room = (wide + narrow) // 2 + int(scratch * largest)
+    engine.probe = measured(before=GIB, backward=GIB, base=GIB - margin(GIB) - room, step=GIB)
+    with caplog.at_level(logging.INFO, logger="bridge_fgo"):
+        for _ in range(3):
+            step(base)
+            step(opt, engine)
+            assert_same(snapshot(base), snapshot(opt))
+    first = engine.probe.first
+    assert first.largest_chunk == largest and first.window + int(scratch * largest) <= room
+    assert any("the first step's window: 192 MB chunks, not 128" in m for m in caplog.messages)

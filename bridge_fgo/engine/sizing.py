@@ -31,8 +31,9 @@ WindowOf = Callable[[int, int], Tuple[int, int, int]]
 def first(window_of: WindowOf, first: FirstStep, start: int) -> Tuple[int, int, str]:
     """The first step's chunk bytes, slots and why: `start` and two slots where that window and the
     optimizer's scratch (the contract's) fit the headroom; else the largest size that does, down to
-    MIN_CHUNK_MB or the largest parameter's states; else one slot (each chunk's copy in then waits for the
-    one before to leave: slower, under the peak) where that fits; else the least with two."""
+    MIN_CHUNK_MB or the largest parameter's states; else the smallest larger size, up to MAX_CHUNK_MB, that
+    does; else one slot (each chunk's copy in then waits for the one before to leave: slower, under the
+    peak) where that fits; else the least with two."""
     if not first.measured or fits(window_of, first, start, 2):
         return start, 2, ""
     # below the largest parameter's states (a chunk alone whatever the size: the embedding's) the window
@@ -44,6 +45,16 @@ def first(window_of: WindowOf, first: FirstStep, start: int) -> Tuple[int, int, 
         if fits(window_of, first, size, 2):
             return size, 2, (f"{size / MIB:.0f} MB chunks, not {start / MIB:.0f}: two slots of those would raise the "
                              f"run's peak so far ({_room(first)})")
+    # Larger chunks can make a smaller window: the parameters too large to share a chunk (an untied
+    # embedding and output layer) take a slot each, or share one when another cut puts them both in it
+    # (slot i holds chunks i, i + 2, ...). The nearest such size keeps the first copy in short.
+    size = start
+    while size < MAX_CHUNK_MB * MIB:
+        size += STEP_MB * MIB
+        if fits(window_of, first, size, 2):
+            return size, 2, (f"{size / MIB:.0f} MB chunks, not {start / MIB:.0f}: two slots of {start / MIB:.0f} MB "
+                             f"chunks would raise the run's peak so far ({_room(first)}); at {size / MIB:.0f} MB the "
+                             "largest parameters' states share a slot")
     if fits(window_of, first, start, 1):
         return start, 1, (f"{start / MIB:.0f} MB chunks through one slot: two slots of even the least ({least / MIB:.0f} "
                           f"MB, or the largest parameter's states) would raise the run's peak so far ({_room(first)})")
@@ -68,9 +79,15 @@ def choose(window_of: WindowOf, first: FirstStep, total: int, floor: int = FIRST
     while size > floor and not fits(window_of, first, size, 2):
         size = max(floor, size - STEP_MB * MIB)
     if size == floor and not fits(window_of, first, size, 2):
-        n = 1 if fits(window_of, first, size, 1) else 2  # one slot where only that keeps the step under the peak
-        return floor, n, (f"{floor / MIB:.0f} MB{', one slot' if n == 1 else ''}, the least: a larger window would "
-                          f"raise the peak ({room / MIB:.0f} MiB of headroom); {first.describe()}")
+        if fits(window_of, first, floor, 1):  # one slot where only that keeps the step under the peak
+            return floor, 1, (f"{floor / MIB:.0f} MB, one slot, the least: a larger window would raise the peak "
+                              f"({room / MIB:.0f} MiB of headroom); {first.describe()}")
+        # every window raises it: the one that raises it least (another cut can put the largest states,
+        # chunks alone, into one slot: a larger size, a smaller window)
+        size = min(range(floor, max(floor, min(MAX_CHUNK_MB * MIB, total)) + 1, STEP_MB * MIB),
+                   key=lambda s: (need(window_of, first, s, 2), s))
+        return size, 2, (f"{size / MIB:.0f} MB, the least window: every window would raise the peak "
+                         f"({room / MIB:.0f} MiB of headroom); {first.describe()}")
     n = slots(window_of, first, size)
     return size, n, (f"{size / MIB:.0f} MB, {n} slots, the window {window_of(size, n)[0] / MIB:.0f} MiB "
                      f"within {room / MIB:.0f} MiB of headroom; {first.describe()}")
@@ -88,7 +105,12 @@ def slots(window_of: WindowOf, first: FirstStep, size: int) -> int:
     return n
 
 
+def need(window_of: WindowOf, first: FirstStep, size: int, n: int) -> int:
+    """What a window of n slots of chunks of `size`, and the optimizer's scratch, add to the step."""
+    window, largest, _ = window_of(size, n)
+    return window + first.scratch(largest)
+
+
 def fits(window_of: WindowOf, first: FirstStep, size: int, n: int) -> bool:
     """Whether a window of n slots of chunks of `size`, and the optimizer's scratch, fit the headroom."""
-    window, largest, _ = window_of(size, n)
-    return window + first.scratch(largest) <= first.headroom()
+    return need(window_of, first, size, n) <= first.headroom()
