@@ -31,9 +31,10 @@ seconds go, with offload and without (issue 43). It slows the load a little in b
 BENCH_LOAD_REGISTER=before|beside|after: the host buffer a load prepares is registered (cudaHostRegister) before
 the load (bridge_fgo's pin(defer=True) called without defer), beside its reads, or after them (the engine's
 register_after_load, its default since 2026-11-29): where does the registration cost a load least? (issue 43;
-recorded as load_register). BENCH_LOAD_TOUCH=skip: that buffer's pages are not faulted in before the load (the
-load's copies and the registration fault them in as they write; a page is zeroed by the kernel once either way,
-and the touch writes it once more): does the touch cost a load more than it saves its copies? (load_touch)
+recorded as load_register). BENCH_LOAD_TOUCH=before|skip: that buffer's pages are faulted in before the load
+from several threads, or not (the load's copies fault them in as they write; a page is zeroed by the kernel once
+either way, and the touch writes it once more); unset: the engine's choice, skip where the load brings the
+states and the registration runs after it (since 2026-11-29). Recorded as load_touch. (issue 43)
 
 Importing this module imports neither torch nor Megatron.
 """
@@ -161,9 +162,10 @@ def instrument_setup(held):
         StreamedEngine.register_after_load = register == "after"
     held["load_register"] = register or ("after" if StreamedEngine.register_after_load else "beside")
     touch = os.environ.get("BENCH_LOAD_TOUCH")
-    if touch not in (None, "skip"):
-        raise SystemExit(f"BENCH_LOAD_TOUCH={touch!r}: 'skip' (or unset: the buffer's pages faulted in before the load)")
-    held["load_touch"] = touch or "before"
+    if touch not in (None, "before", "skip"):
+        raise SystemExit(f"BENCH_LOAD_TOUCH={touch!r}: 'before' or 'skip' (or unset: the engine's choice)")
+    if touch == "skip" and register in ("before", "beside"):  # that registration would fault the pages in itself
+        raise SystemExit(f"BENCH_LOAD_TOUCH=skip needs the registration after the load, not BENCH_LOAD_REGISTER={register}")
     profile_top = os.environ.get("BENCH_PROFILE_LOAD")
     if profile_top is not None and not (profile_top.isdigit() and int(profile_top) > 0):
         raise SystemExit(f"BENCH_PROFILE_LOAD={profile_top!r}: a positive integer (how many functions to record)")
@@ -211,14 +213,15 @@ def instrument_setup(held):
     pin, wait, free = hostmem.pin, pinning.PinnedHost.wait, pinning.PinnedHost.free
 
     def timed_pin(nbytes, **kw):
-        if register == "before":
-            kw["defer"] = False
+        if kw.get("defer"):  # a load's buffer
+            if touch:
+                kw["touch"] = touch == "before"
+            if register == "before":  # pinned at once: touched, registered here
+                kw = {k: v for k, v in kw.items() if k not in ("start", "touch")}
+                kw["defer"] = False
+            held["load_touch"] = "before" if kw.get("touch", True) else "skip"
         t0 = time.perf_counter()
-        with contextlib.ExitStack() as stack:
-            if touch == "skip" and kw.get("defer"):  # the load's writes (and the registration) fault the pages in
-                stack.enter_context(mock.patch.object(pinning._numa, "first_touch", lambda tensor, target: (
-                    None, "not touched before the load (BENCH_LOAD_TOUCH=skip)")))
-            buf = pin(nbytes, **kw)
+        buf = pin(nbytes, **kw)
         held["pins"].append({"bytes": nbytes, "pin_s": time.perf_counter() - t0, "deferred": bool(kw.get("defer")),
                              "during": held["running"][-1] if held["running"] else "first step",
                              "method": buf.method})

@@ -119,35 +119,40 @@ def test_bench_profile_load_records_where_the_load_went(restore_patched, monkeyp
         saves.instrument_setup({})
 
 
-def test_bench_load_touch_skip_leaves_a_loads_buffer_untouched(restore_patched, monkeypatch):
-    """BENCH_LOAD_TOUCH=skip: the buffer a load prepares (pin(defer=True)) is not faulted in before it; every other
-    pin is, as the engine does it; the real first touch is back afterwards."""
-    import torch
-
+@pytest.mark.parametrize("touch, engine_touch, want", [(None, False, "skip"), (None, True, "before"),
+                                                       ("before", False, "before"), ("skip", True, "skip")])
+def test_bench_load_touch_chooses_whether_a_loads_buffer_is_touched(restore_patched, monkeypatch, touch, engine_touch,
+                                                                    want):
+    """BENCH_LOAD_TOUCH=before|skip: the buffer a load prepares (pin(defer=True), its registration held back) is
+    faulted in before the load, or not, whatever the engine chose; unset: the engine's choice (no touch where the
+    load brings the states). Every other pin is left as the engine asks; recorded as load_touch."""
     from bridge_fgo import hostmem
-    from bridge_fgo.hostmem import numa, pinning
 
-    real_touch, touched = numa.first_touch, []
-    monkeypatch.setattr(numa, "first_touch", lambda tensor, target: touched.append(tensor.numel()) or
-                        real_touch(tensor, target))
-    engine_touch = numa.first_touch
-    monkeypatch.setenv("BENCH_LOAD_TOUCH", "skip")
+    calls = []
+    monkeypatch.setattr(hostmem, "pin", lambda nbytes, **kw: calls.append(kw) or _Buf())
+    if touch:
+        monkeypatch.setenv("BENCH_LOAD_TOUCH", touch)
     held = {}
     saves.instrument_setup(held)
-    # pin()'s path on a GPU host, where it touches; nothing registers (a stand-in; the load's thread never starts)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(numa, "numa_target", lambda device, root=None: numa.NumaTarget(None, (), "a test"))
-    monkeypatch.setattr(pinning, "_register", lambda tensor, device, nbytes: 0)
-    monkeypatch.setattr(pinning, "_unregister", lambda tensor, device, nbytes: None)
-    loads = hostmem.pin(4096, defer=True, start=False)
-    assert touched == [] and loads.placement == "not touched before the load (BENCH_LOAD_TOUCH=skip)"
-    assert numa.first_touch is engine_touch
-    loads.free()
-    hostmem.pin(8192).free()  # the first step's or the construction's: touched
-    assert touched == [8192] and saves.setup_figures(held, [])["load_touch"] == "skip"
-    monkeypatch.setenv("BENCH_LOAD_TOUCH", "later")
-    with pytest.raises(SystemExit, match="BENCH_LOAD_TOUCH='later': 'skip'"):
+    hostmem.pin(4096, defer=True, start=False, touch=engine_touch)  # a load's, registered after it
+    hostmem.pin(8192)  # the first step's or the construction's
+    assert calls == [dict(defer=True, start=False, touch=want == "before"), {}]
+    assert saves.setup_figures(held, [])["load_touch"] == want
+
+
+class _Buf:
+    method = "cudaHostRegister"
+
+
+@pytest.mark.parametrize("touch, register, message", [
+    ("later", None, "BENCH_LOAD_TOUCH='later': 'before' or 'skip'"),
+    ("skip", "beside", "BENCH_LOAD_TOUCH=skip needs the registration after the load, not BENCH_LOAD_REGISTER=beside"),
+    ("skip", "before", "not BENCH_LOAD_REGISTER=before")])
+def test_bench_load_touch_refuses_what_cannot_run(restore_patched, monkeypatch, touch, register, message):
+    monkeypatch.setenv("BENCH_LOAD_TOUCH", touch)
+    if register:
+        monkeypatch.setenv("BENCH_LOAD_REGISTER", register)
+    with pytest.raises(SystemExit, match=message):
         saves.instrument_setup({})
 
 

@@ -859,6 +859,30 @@ def test_a_buffer_freed_before_its_deferred_registration_ends_is_unregistered_af
     assert [c[0] for c in fake_cuda.calls] == ["register", "unregister"] and buf.freed
 
 
+def test_a_buffer_a_load_writes_first_is_not_touched_where_no_node_is_to_be_placed_on(fake_cuda, tmp_path, record_touch):
+    """pin(touch=False), for a checkpoint load that writes every state before its registration (held back) runs:
+    on a host of one NUMA node no first touch writes the pages before the load does; they read as zero, and the
+    registration after the writes pins them. With a node to place them on, they are touched there as ever.
+    Without a held-back registration the flag is refused: that registration would fault the pages in itself."""
+    one = tmp_path / "one"
+    put(one, "sys/devices/system/node/online", "0\n")
+    buf = hostmem.pin(3 * 2**20, root=str(one), defer=True, start=False, touch=False)
+    assert record_touch == [] and buf.zeroed and int(buf.tensor.count_nonzero()) == 0
+    assert buf.numa_node is None and "single NUMA node" in buf.placement and "no first touch" in buf.placement
+    buf.tensor[:5] = 7  # the load writes
+    buf.start_registration()
+    buf.wait()
+    assert buf.registered and [c[0] for c in fake_cuda.calls] == ["register"] and int(buf.tensor[:5].sum()) == 35
+    buf.free()
+    placed = hostmem.pin(3 * 2**20, root=str(tmp_path), defer=True, start=False, touch=False)  # two nodes
+    assert placed.numa_node == 1 and "first touch from" in placed.placement
+    assert sum(seen[3] for seen in record_touch) == 3 * 2**20
+    placed.free()
+    for kw in (dict(), dict(defer=True), dict(defer=True, start=True)):
+        with pytest.raises(ValueError, match="touch=False.*needs defer=True and start=False"):
+            hostmem.pin(4096, root=str(one), touch=False, **kw)
+
+
 # -- host-memory work spread over a few threads ----------------------------------------------------------
 
 def test_spread_copies_and_touches_piece_by_piece_from_several_threads(monkeypatch):

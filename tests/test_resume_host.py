@@ -295,14 +295,16 @@ def test_a_load_makes_the_states_of_parameters_that_stay_on_the_gpu_on_the_host(
         engine.close()
 
 
-@pytest.mark.parametrize("after", [True, False])
+@pytest.mark.parametrize("after, load_optim", [(True, True), (False, True), (True, False)])
 def test_the_buffers_registration_runs_after_or_beside_the_load_and_is_waited_for_before_a_copy(train_module,
-                                                                                                 monkeypatch, after):
-    """At the load call site the host buffer is allocated and touched before Bridge's load, its cudaHostRegister
-    deferred: by default held back until the load's reads are done, then started beside what follows the load,
-    and waited for at the buffer's first use (register_after_load); or running beside the load's reads, which
-    write into the pages, and waited for when the load returns. Either way before any copy to the GPU; a fresh
-    run's first step pins as before."""
+                                                                                                 monkeypatch, after,
+                                                                                                 load_optim):
+    """At the load call site the host buffer is allocated before Bridge's load, its cudaHostRegister deferred: by
+    default held back until the load's reads are done, then started beside what follows the load, and waited for
+    at the buffer's first use (register_after_load); or running beside the load's reads, which write into the
+    pages, and waited for when the load returns. Either way before any copy to the GPU; a fresh run's first step
+    pins as before. The pages are touched first unless the load brings the states and registers after them
+    (its writes fault them in: hostmem.pin(touch=False)); a load without them leaves them to the touch."""
     import threading
     import types
 
@@ -319,7 +321,7 @@ def test_the_buffers_registration_runs_after_or_beside_the_load_and_is_waited_fo
 
     def pin(n, **k):  # CPU: nothing registers; a deferred one is stood in by a thread that does nothing
         buf = real(n, **k)
-        pins.append((k.get("defer", False), k.get("start", True)))
+        pins.append((k.get("defer", False), k.get("start", True), k.get("touch", True)))
         if k.get("defer"):
             thread = threading.Thread(target=lambda: None)
             thread.start() if k.get("start", True) else None
@@ -331,7 +333,7 @@ def test_the_buffers_registration_runs_after_or_beside_the_load_and_is_waited_fo
     monkeypatch.setattr(pinning.PinnedHost, "wait", lambda self: waits.append(self.pending) or real_wait(self))
     bridge_fgo.patch(offload="builtin", chunk_mb=1)
     r = rig(optimizer="te")
-    r.cfg.checkpoint = types.SimpleNamespace(load_optim=True, finetune=False, save=None, load="ck")
+    r.cfg.checkpoint = types.SimpleNamespace(load_optim=load_optim, finetune=False, save=None, load="ck")
     site = bridge_fgo.instrument.patcher._current.callsites.site(targets.target("load_checkpoint"))
     during = []
 
@@ -344,7 +346,8 @@ def test_the_buffers_registration_runs_after_or_beside_the_load_and_is_waited_fo
     site(load, None, (types.SimpleNamespace(cfg=r.cfg), r.model, r.optimizer, None), {})
     (session,) = bridge_fgo.instrument.patcher._current.callsites.registry.sessions()
     buf = session.adapter.engine.buffer
-    assert pins == [(True, not after)] and during == [(True, not after, [])]  # registering beside the reads, or not
+    # registering beside the reads, or not; touched first unless the load writes the states before the registration
+    assert pins == [(True, not after, not (after and load_optim))] and during == [(True, not after, [])]
     if after:
         assert buf.pending and buf._held["pending"].ident is not None and waits == []  # started, not waited for
         session.adapter.engine.transfers.ready()  # the buffer's first use (the warm pass, a copy)
@@ -355,7 +358,7 @@ def test_the_buffers_registration_runs_after_or_beside_the_load_and_is_waited_fo
     from support import harness
 
     harness.run_steps(rig(optimizer="te"), steps=1)
-    assert pins == [(False, True)]
+    assert pins == [(False, True, True)]
 
 
 @pytest.mark.parametrize("case", ["te", "te-precision-aware-bf16"])
@@ -500,10 +503,10 @@ def test_a_registration_held_back_after_a_load_starts_then_and_the_warm_pass_wai
     engine.register_after_load = True
     engine.defer_pinning = True
     pins = []
-    monkeypatch.setattr(engine.transfers, "pin", lambda defer=False, start=True: (
-        pins.append((defer, start)), Transfers.pin(engine.transfers, defer, start)))
+    monkeypatch.setattr(engine.transfers, "pin", lambda defer=False, start=True, touch=True: (
+        pins.append((defer, start, touch)), Transfers.pin(engine.transfers, defer, start, touch)))
     engine.prepare()
-    assert pins == [(True, False)]  # touched now, registered later
+    assert pins == [(True, False, False)]  # registered later; the load's writes fault the pages in, no touch first
     seen = []
     registration = threading.Thread(target=lambda: seen.append("registered"))
     engine.transfers.buffer._held["pending"] = registration  # a GPU's registration, held back (CPU: none)

@@ -362,7 +362,7 @@ def _memlock_limits() -> str:
 
 def pin(nbytes: int, *, device_index: Optional[int] = None, numa: bool = True,
         root: Optional[str] = None, target: Optional[_numa.NumaTarget] = None, defer: bool = False,
-        start: bool = True) -> PinnedHost:
+        start: bool = True, touch: bool = True) -> PinnedHost:
     """Allocate `nbytes` of page-locked host memory for device `device_index` (default: the current one).
 
     A pageable tensor is first-touched (on the GPU's NUMA node when `numa` and the host has several)
@@ -376,11 +376,17 @@ def pin(nbytes: int, *, device_index: Optional[int] = None, numa: bool = True,
     PinnedHost.wait() joins it before any copy to or from the GPU, and a refusal there leaves the buffer
     pageable with one WARNING instead of the pin_memory=True fallback; with `start` False the registration
     waits for PinnedHost.start_registration() (after the load's reads, not beside them), or for wait(). The
-    buffer reads as zero when handed out (`zeroed`), but for the pin_memory=True fallback's."""
+    buffer reads as zero when handed out (`zeroed`), but for the pin_memory=True fallback's. Not `touch` (with
+    `defer` and not `start` only): the caller's own writes fault the pages in before the registration starts (a
+    checkpoint load that writes every state), so no first touch writes them before, where no NUMA node is to be
+    placed on; with a node to place them on they are touched there as ever."""
     import torch
 
     if nbytes < 0:
         raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+    if not touch and not (defer and not start):  # the registration would fault the pages in, on one thread
+        raise ValueError("pin(touch=False) needs defer=True and start=False: the caller's writes fault the pages in "
+                         "before the registration starts")
     t0 = time.perf_counter()
     if nbytes == 0 or not torch.cuda.is_available():
         why = "CUDA unavailable" if nbytes else "empty"
@@ -392,7 +398,13 @@ def pin(nbytes: int, *, device_index: Optional[int] = None, numa: bool = True,
         target = (_numa.numa_target(device, root=root) if numa
                   else _numa.NumaTarget(None, (), "NUMA placement not requested: plain first touch"))
     tensor = _zero_pages(nbytes)
-    node, placement = _numa.first_touch(tensor, target)  # registering then pins pages already present
+    if touch or target.node is not None:
+        node, placement = _numa.first_touch(tensor, target)  # registering then pins pages already present
+    else:
+        # the kernel zeroes each page as the caller's writes fault it in; a touch before would write it twice
+        # (one H200, 2026-11-29: the preparation before a load 0.10-0.12 s against 0.19-0.24 s, Bridge's load no
+        # slower; docs/benchmarks.md#gpu-2026-11-29l)
+        node, placement = None, f"{target.reason}: no first touch, the pages faulted in by their first writes"
     if defer:
         # the pages are faulted in here, from several threads, before the load writes into them (a touch beside
         # its writes would race with them). Left to the registration's thread, 1.9 GB took it 0.87-0.93 s, and

@@ -21,8 +21,8 @@
 # 2.5x longer runs: one group a call). BENCH_LOAD_THREADS=N (passed to every run): torch's threads during the
 # load, with and without offload alike (scripts/bench_saves.py). BENCH_PROFILE_LOAD=N: each run's load profiled
 # (the summary shows where its time went); BENCH_LOAD_REGISTER=before|beside|after: the buffer registered before the
-# load, beside its reads, or after them (the default); BENCH_LOAD_TOUCH=skip: its pages not faulted in before the
-# load (bench_saves.py); BENCH_CKPT_RESULTS=DIR: the results there (default /tmp/i43; the checkpoints in
+# load, beside its reads, or after them (the default); BENCH_LOAD_TOUCH=before|skip: its pages faulted in before
+# the load, or not (unset: the engine's choice, not where the load brings the states; bench_saves.py); BENCH_CKPT_RESULTS=DIR: the results there (default /tmp/i43; the checkpoints in
 # DIRck), so a second pass of a group under other settings runs in the same call (--logs DIR to get it back).
 # BENCH_CKPT_VARIANT="NAME VAR=VALUE...": a third mode, builtin-NAME (builtin with those variables), run in each
 # repetition right after base and builtin, its checkpoints compared with base's too: two settings compared within

@@ -106,8 +106,7 @@ class StreamedEngine:
         self.steps_streamed = 0
         self._first_laps: list = []  # (what, seconds) of the first streamed step's own work, until it is said
         self._fsdp_hooks = subset.Shadows()
-        # a checkpoint load comes next: the buffer's registration runs beside its reads, the warm pass after it
-        self.defer_pinning = False
+        self.defer_pinning = False  # a checkpoint load comes next: the registration deferred, the warm pass after it
         self._warm_pending = False
 
     # -- what the adapter, status and tests read -------------------------------------------------
@@ -168,7 +167,8 @@ class StreamedEngine:
             self.snapshot.allocate()  # dropped when the last training parked
             return
         clock = _Clock()
-        t.pin(defer=self.defer_pinning, start=not (self.defer_pinning and self.register_after_load))
+        after = self.defer_pinning and self.register_after_load  # no touch where a load writes the states first:
+        t.pin(defer=self.defer_pinning, start=not after, touch=not (after and not self.readers.states_after_load))
         clock.lap("the buffer")
         t.take_all()  # masters made on the host at construction, states a load put elsewhere
         clock.lap("taking what exists")

@@ -40,11 +40,10 @@ class Transfers:
         return self.plan.device
 
     # -- the host buffer --------------------------------------------------------------------------
-    def pin(self, defer: bool = False, start: bool = True) -> None:
-        """The host buffer pinned once, for the plan; each entry's host view in it; the window. `defer`: its
-        registration runs beside what comes next (a checkpoint load's reads), until ready(); not `start`: it
-        waits for buffer.start_registration() (after the load's reads, beside what follows them)."""
-        self.buffer = hostmem.pin(self.plan.lay_out(), defer=defer, start=start)
+    def pin(self, defer: bool = False, start: bool = True, touch: bool = True) -> None:
+        """The host buffer pinned once, for the plan; each entry's host view in it; the window. `defer`, `start`,
+        `touch`: hostmem.pin's (registered beside a load's reads, or after them; its writes fault the pages in)."""
+        self.buffer = hostmem.pin(self.plan.lay_out(), defer=defer, start=start, touch=touch)
         for part in self.plan.parts:
             for e in part.entries():
                 e.host = self.buffer.tensor[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape)
