@@ -22,8 +22,9 @@
 # load, with and without offload alike (scripts/bench_saves.py). BENCH_PROFILE_LOAD=N: each run's load profiled
 # (the summary shows where its time went); BENCH_LOAD_REGISTER=before|beside|after: the buffer registered before the
 # load, beside its reads, or after them (the default); BENCH_LOAD_TOUCH=before|skip: its pages faulted in before
-# the load, or not (unset: the engine's choice, not where the load brings the states; bench_saves.py); BENCH_CKPT_RESULTS=DIR: the results there (default /tmp/i43; the checkpoints in
-# DIRck), so a second pass of a group under other settings runs in the same call (--logs DIR to get it back).
+# the load, or not (unset: the engine's choice, not where the load brings the states; bench_saves.py);
+# BENCH_CKPT_RESULTS=DIR: the results there (default /tmp/i43; the checkpoints in DIRck), so a second pass of a
+# group under other settings runs in the same call (--logs DIR to get it back).
 # BENCH_CKPT_VARIANT="NAME VAR=VALUE...": a third mode, builtin-NAME (builtin with those variables), run in each
 # repetition right after base and builtin, its checkpoints compared with base's too: two settings compared within
 # one call's noise (a load varied by 0.8 s between runs of one call without offload, one H200, 2026-11-29).
