@@ -12,9 +12,9 @@ it, the steady step, the first asynchronous save's stall, the next one's, the sy
 RSS peak and /dev/shm; then the targets: async stall, sync save and load each at most 1.1x without offload,
 the first iteration after a load at most 1.1x builtin's steady step (beside it, against no offload's first
 iteration plus what a steady streamed step adds: no offload's is itself 3-4x its steady step), setup at most no
-offload's plus the masters' bytes over the link (--link-gbs) plus the pinning, and the checkpoints identical. Every data-parallel
-figure is the slower rank's. Runs made with BENCH_PROFILE_LOAD (scripts/bench_saves.py) add the functions of
-most own time during the load, medians per mode (rank 0's).
+offload's plus the masters' bytes over the link (--link-gbs) plus the pinning, and the checkpoints identical.
+Every data-parallel figure is the slower rank's. Runs made with BENCH_PROFILE_LOAD (scripts/bench_saves.py) add
+the functions of most own time during the load, medians per mode (rank 0's).
 
 Imports neither torch nor Megatron.
 """

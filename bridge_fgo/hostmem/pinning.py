@@ -406,9 +406,10 @@ def pin(nbytes: int, *, device_index: Optional[int] = None, numa: bool = True,
         # slower; docs/benchmarks.md#gpu-2026-11-29l)
         node, placement = None, f"{target.reason}: no first touch, the pages faulted in by their first writes"
     if defer:
-        # the pages are faulted in here, from several threads, before the load writes into them (a touch beside
-        # its writes would race with them). Left to the registration's thread, 1.9 GB took it 0.87-0.93 s, and
-        # the masters' copy on the loading thread took as long, faulting the same pages (2xH200, 2026-11-28)
+        # the pages are faulted in before the registration starts: touched above, from several threads, or (not
+        # `touch`) by the caller's writes, never by a touch beside those writes (it would race with them). Left to
+        # the registration's thread, 1.9 GB took it 0.87-0.93 s, and the masters' copy on the loading thread took
+        # as long, faulting the same pages (2xH200, 2026-11-28)
         buf = PinnedHost(tensor, nbytes, "cudaHostRegister", device=device, numa_node=node, placement=placement,
                          seconds=time.perf_counter() - t0, zeroed=True)
         buf.held_back = not start

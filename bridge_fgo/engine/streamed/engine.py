@@ -86,8 +86,9 @@ _UNTIMED = _Untimed()
 
 # StreamedEngine.register_after_load: where a checkpoint load's buffer registration runs: beside the load's reads
 # (False), or after them, beside what follows the load (True; the first use of the buffer waits for it, and the warm
-# pass moves to the first step). After: one H200, 2026-11-29, the load 3.68 s (3.64-3.69) against 3.86 s (3.43-3.93)
-# beside, n=3 each in one call, without offload 3.07 s (n=6); nothing waited for it (docs/benchmarks.md#gpu-2026-11-29k).
+# pass moves to the first step). After: one H200, 2026-11-29, the load 3.68 s (3.64-3.69) against 3.86 s
+# (3.43-3.93) beside, n=3 each in one call, without offload 3.07 s (n=6); nothing waited for it
+# (docs/benchmarks.md#gpu-2026-11-29k).
 class StreamedEngine:
     def __init__(self, dist_optimizers, chunk_bytes: int, budget_bytes: Optional[int] = None, auto: bool = False,
                  norms_in_update: bool = False):
@@ -167,7 +168,7 @@ class StreamedEngine:
             self.snapshot.allocate()  # dropped when the last training parked
             return
         clock = _Clock()
-        after = self.defer_pinning and self.register_after_load  # no touch where a load writes the states first:
+        after = self.defer_pinning and self.register_after_load  # (no touch where the load writes the states first)
         t.pin(defer=self.defer_pinning, start=not after, touch=not (after and not self.readers.states_after_load))
         clock.lap("the buffer")
         t.take_all()  # masters made on the host at construction, states a load put elsewhere
