@@ -434,21 +434,22 @@ def test_where_every_window_raises_the_peak_the_one_that_raises_it_least():
     assert f"{size // MIB} MB, the least window: every window would raise the peak" in why
 
 
-def make_shaped(shapes):
+def make_shaped(shapes, **kw):
     from support import harness
 
-    opt = harness.make_distributed_optimizer(harness.Recorder(), with_tensors=True, shapes=shapes)
+    opt = harness.make_distributed_optimizer(harness.Recorder(), with_tensors=True, shapes=shapes, **kw)
     opt.per_bucket_numel = opt.per_bucket_numel_unpadded = [{}]
     return opt
 
 
-def test_the_engines_first_step_takes_a_larger_cut_where_it_shares_the_largest_states_slot(monkeypatch, caplog):
+@pytest.mark.parametrize("kind", ["torch-foreach-default", "te", "apex"])
+def test_the_engines_first_step_takes_a_larger_cut_where_it_shares_the_largest_states_slot(monkeypatch, caplog, kind):
     """The engine's own plan: two large parameters around three small ones. Cut at 128 "MB" (a "MB" of 16 bytes
     here) the large ones go into both slots, at 160 too, at 192 they share one; the first step takes 192,
-    exact, under the headroom."""
+    exact, under the headroom, with torch's AdamW and TE's and apex's FusedAdam (their contracts' stand-ins)."""
     monkeypatch.setattr(sizing, "MIB", 16)
     shapes = ((32, 32), (8, 8), (8, 8), (8, 8), (32, 32))
-    base, opt = make_shaped(shapes), make_shaped(shapes)
+    base, opt = make_shaped(shapes, **OPTIMIZERS[kind]), make_shaped(shapes, **OPTIMIZERS[kind])
     engine = engine_for(opt, 128 * 16, auto=True)
     scratch = engine.parts[0].contract.step_scratch
     narrow, _, _ = engine.fitting.window_at(192 * 16, 2)
