@@ -35,6 +35,12 @@ recorded as load_register). BENCH_LOAD_TOUCH=before|skip: that buffer's pages ar
 from several threads, or not (the load's copies fault them in as they write; a page is zeroed by the kernel once
 either way, and the touch writes it once more); unset: the engine's choice, skip where the load brings the
 states and the registration runs after it (since 2026-11-29). Recorded as load_touch. (issue 43)
+The first iteration after a load (issue 43: where its time goes beyond the same iteration without offload):
+setup_figures records its phases (before forward-backward, forward-backward, the rest: finalization, reload,
+update) beside the steady ones. BENCH_WARM=skip: the engine's one DMA pass over a new buffer (Transfers.warm,
+queued by the first step's offload after a load) is not made, only the registration it waits for.
+BENCH_HEAD=off: the first streamed step does not record the allocator's trace through its backward (Head: no
+prefetch during any backward then). Both recorded (warm, head), for variants that isolate what each costs.
 
 Importing this module imports neither torch nor Megatron.
 """
@@ -48,6 +54,7 @@ from unittest import mock
 
 GIB = 2**30
 KINDS = ("sync", "async")
+PHASES = ("pre_s", "fwdbwd_s", "post_s")  # an iteration's (bench_run.py): before forward-backward, it, the rest
 
 
 # -- in the training process ---------------------------------------------------------------------------
@@ -169,6 +176,7 @@ def instrument_setup(held):
     profile_top = os.environ.get("BENCH_PROFILE_LOAD")
     if profile_top is not None and not (profile_top.isdigit() and int(profile_top) > 0):
         raise SystemExit(f"BENCH_PROFILE_LOAD={profile_top!r}: a positive integer (how many functions to record)")
+    first_step_knobs(held)
 
     def timed_start(self, barrier=False):
         held["running"].append(self.name)
@@ -247,6 +255,31 @@ def instrument_setup(held):
     hostmem.pin, pinning.PinnedHost.wait, pinning.PinnedHost.free = timed_pin, timed_wait, timed_free
 
 
+def first_step_knobs(held):
+    """BENCH_WARM=skip, BENCH_HEAD=off (the module's docstring), checked before anything is patched."""
+    warm, head = os.environ.get("BENCH_WARM"), os.environ.get("BENCH_HEAD")
+    if warm not in (None, "skip"):
+        raise SystemExit(f"BENCH_WARM={warm!r}: 'skip' (or unset: the engine's warm pass)")
+    if head not in (None, "off"):
+        raise SystemExit(f"BENCH_HEAD={head!r}: 'off' (or unset: the first step measures backward's memory)")
+    from bridge_fgo.engine.streamed.head import Head
+    from bridge_fgo.engine.streamed.transfers import Transfers
+
+    if warm == "skip":
+        def no_warm(self, wait=True):
+            self.ready()  # what the warm pass waited for, and every later copy waits for anyway
+
+        Transfers.warm = no_warm
+    if head == "off":
+        begin = Head.begin_step
+
+        def unmeasured(self, measure):
+            return begin(self, False)
+
+        Head.begin_step = unmeasured
+    held["warm"], held["head"] = warm or "made", head or "measured"
+
+
 def profile_lines(profiler, top):
     """The `top` functions of most cumulative and of most own time: [calls, own s, cumulative s, where]."""
     import pstats
@@ -277,6 +310,12 @@ def setup_figures(held, recs):
         "host_after_load": held.get("host", {}).get("load-checkpoint"),
         "first_iter_after_load_s": recs[0]["step_s"] if recs and t.get("load-checkpoint") is not None else None,
         "steady_after_first_median_s": statistics.median(steady) if steady else None,
+        # each phase of the first iteration after a load, and its median over the steady ones (bench_run.py's)
+        "first_iter_after_load_phases": {k: recs[0].get(k) for k in PHASES}
+        if recs and t.get("load-checkpoint") is not None else None,
+        "steady_phases_median": {k: statistics.median(r[k] for r in recs[1:]) for k in PHASES
+                                 if all(k in r for r in recs[1:])} if recs[1:] else None,
+        "warm": held.get("warm"), "head": held.get("head"),
     }
 
 

@@ -26,11 +26,13 @@ def restore_patched(monkeypatch):
 
     from bridge_fgo import hostmem
     from bridge_fgo.engine.streamed.engine import StreamedEngine
+    from bridge_fgo.engine.streamed.head import Head
+    from bridge_fgo.engine.streamed.transfers import Transfers
     from bridge_fgo.hostmem import pinning
 
     for obj, name in ((timers.Timer, "start"), (timers.Timer, "stop"), (hostmem, "pin"),
                       (pinning.PinnedHost, "wait"), (pinning.PinnedHost, "free"),
-                      (StreamedEngine, "register_after_load")):
+                      (StreamedEngine, "register_after_load"), (Transfers, "warm"), (Head, "begin_step")):
         monkeypatch.setattr(obj, name, getattr(obj, name))
 
 
@@ -61,6 +63,7 @@ def test_setup_and_load_timers_and_the_pinning_are_recorded(restore_patched, mon
     assert [p["bytes"] for p in got["pins"][2:]] == [8192]  # its pinning (the first step's, as the bench names it)
     assert got["setup_pin_s"] == pin["pin_s"] and got["setup_unpin_s"] == unpin["free_s"] and got["load_pin_s"] == 0
     assert got["first_iter_after_load_s"] == 2.0 and got["steady_after_first_median_s"] == 1.1
+    assert got["warm"] == "made" and got["head"] == "measured"  # neither BENCH_WARM nor BENCH_HEAD set
     assert got["host_after_setup"]["rss_gib"] > 0 and "rss_gib" in got["host_after_load"]
     fresh = saves.setup_figures({"timers": {"model-and-optimizer-setup": 1.0}}, recs)
     assert fresh["first_iter_after_load_s"] is None and fresh["load_s"] is None  # no load: no figure
@@ -176,6 +179,48 @@ def test_bench_load_register_places_the_buffers_registration(restore_patched, mo
         saves.instrument_setup({})
 
 
+def test_the_first_iterations_phases_are_recorded_beside_the_steady_ones(restore_patched):
+    held = {"timers": {"load-checkpoint": 3.0}}
+    recs = [{"step_s": 0.9, "pre_s": 0.01, "fwdbwd_s": 0.7, "post_s": 0.19},
+            {"step_s": 0.3, "pre_s": 0.001, "fwdbwd_s": 0.2, "post_s": 0.1},
+            {"step_s": 0.32, "pre_s": 0.003, "fwdbwd_s": 0.2, "post_s": 0.12}]
+    got = saves.setup_figures(held, recs)
+    assert got["first_iter_after_load_phases"] == {"pre_s": 0.01, "fwdbwd_s": 0.7, "post_s": 0.19}
+    assert got["steady_phases_median"] == {"pre_s": 0.002, "fwdbwd_s": 0.2, "post_s": 0.11}
+    fresh = saves.setup_figures({"timers": {}}, recs)  # no load: no first iteration after one
+    assert fresh["first_iter_after_load_phases"] is None and fresh["steady_phases_median"]["fwdbwd_s"] == 0.2
+
+
+def test_bench_warm_skip_and_bench_head_off_change_only_what_they_name(restore_patched, monkeypatch):
+    """BENCH_WARM=skip: the warm pass only waits for the registration (every later copy would); BENCH_HEAD=off: the
+    first step begins unmeasured (the real Head: it stays off, nothing recorded). Bad values refused by name."""
+    from bridge_fgo.engine.streamed.head import Head
+    from bridge_fgo.engine.streamed.transfers import Transfers
+
+    monkeypatch.setenv("BENCH_WARM", "skip")
+    monkeypatch.setenv("BENCH_HEAD", "off")
+    held = {}
+    saves.instrument_setup(held)
+    waited = []
+    fake = types.SimpleNamespace(ready=lambda: waited.append(True))
+    Transfers.warm(fake, wait=False)
+    assert waited == [True]
+    starts = []
+    head = Head.__new__(Head)
+    head.state, head.why_off, head.curve, head._handles = "off", None, None, [object()]
+    head._start_trace = lambda: starts.append(True)
+    monkeypatch.setattr("bridge_fgo.engine.streamed.head._microbatches", lambda: 1)
+    Head.begin_step(head, True)
+    assert starts == [] and head.state == "off"
+    assert saves.setup_figures(held, [])["warm"] == "skip" and saves.setup_figures(held, [])["head"] == "off"
+    for var, value, message in (("BENCH_WARM", "later", "BENCH_WARM='later': 'skip'"),
+                                ("BENCH_HEAD", "on", "BENCH_HEAD='on': 'off'")):
+        monkeypatch.setenv(var, value)
+        with pytest.raises(SystemExit, match=message):
+            saves.instrument_setup({})
+        monkeypatch.delenv(var)
+
+
 def test_the_saves_named_in_bench_sync_at_are_synchronous(monkeypatch):
     import megatron.bridge.training.checkpointing as ckpt
 
@@ -197,10 +242,15 @@ def test_the_saves_named_in_bench_sync_at_are_synchronous(monkeypatch):
     assert len(s["async_stalls_s"]) == 2 and len(s["sync_saves_s"]) == 1
 
 
-def fake_run(path, setup, load, first, steady, stalls, sync, pins=(), rank1=None, finishing=None, profile=None):
+def fake_run(path, setup, load, first, steady, stalls, sync, pins=(), rank1=None, finishing=None, profile=None,
+             phases=None):
     s = {"setup_s": setup, "load_s": load, "first_iter_after_load_s": first, "steady_after_first_median_s": steady,
          "async_stalls_s": list(stalls), "sync_saves_s": [sync], "host_peak_rss_gib": 12.0, "max_shm_used_gib": 5.0,
-         "pins": list(pins), "setup_pin_s": sum(p.get("pin_s", 0) for p in pins), "load_profile": profile}
+         "pins": list(pins), "setup_pin_s": sum(p.get("pin_s", 0) for p in pins),
+         "setup_unpin_s": sum(p.get("free_s", 0) for p in pins), "load_profile": profile}
+    if phases is not None:  # (the first iteration's, the steady steps' median), each (pre, fwdbwd, post)
+        s["first_iter_after_load_phases"], s["steady_phases_median"] = (
+            dict(zip(("pre_s", "fwdbwd_s", "post_s"), p)) for p in phases)
     if finishing is not None:
         s["async_finishing_s"] = list(finishing)
     with open(path, "w") as f:
@@ -231,7 +281,7 @@ def test_the_summary_gives_medians_spread_and_each_target(tmp_path):
     assert "async stall, first: 9.880 / 6.000 s = 1.65x (target <= 1.1x: NOT met)" in text
     assert "load: 15.100 / 10.000 s = 1.51x" in text  # rank 1's
     assert ("setup adds 0.300 s; allowed: the masters over the link 0.100 s (at 45.0 GB/s) + the pinning 0.200 s "
-            "(MET)") in text
+            "+ its unpinning 0.000 s (MET); without the pinning: 0.100 s") in text
     assert "iteration 4: DIFFER ['optimizer.x']" in text
     # where the next save finished the pending one, how long that took (recorded by bench_saves.instrument)
     assert [line for line in text.splitlines() if "of which finishing the pending save" in line and
@@ -240,6 +290,30 @@ def test_the_summary_gives_medians_spread_and_each_target(tmp_path):
     assert "without offload: 1.20x its steady step; builtin's first iteration / base's: 1.03x" in text
     # and against base's plus what a streamed step adds: 0.62 / (0.6 + 0.6 - 0.5)
     assert "builtin's first iteration / (base's + the streamed step's own cost, builtin's steady step - base's): 0.89x" in text
+
+
+def test_the_summary_shows_where_the_first_iterations_excess_is(tmp_path):
+    """Each phase of the first iteration after the load and of the steady step, and what offload adds to each phase
+    of the first iteration beyond what it adds to a steady step; the setup's allowance counts the unpinning too."""
+    pins = [{"bytes": 45 * 10**9 // 100, "pin_s": 0.09, "during": "model-and-optimizer-setup"},
+            {"bytes": 45 * 10**9 // 100, "free_s": 0.02, "during": "model-and-optimizer-setup", "released": True}]
+    for rep in (1, 2, 3):
+        fake_run(str(tmp_path / f"one-first_base_r{rep}.json"), 0.10, 3.0, 0.62, 0.175, (), None,
+                 phases=((0.001, 0.53, 0.09), (0.0005, 0.17, 0.007)))
+        fake_run(str(tmp_path / f"one-first_builtin_r{rep}.json"), 0.23, 3.3, 0.88, 0.306, (), None, pins,
+                 phases=((0.007, 0.67, 0.20), (0.001, 0.18, 0.113)))
+    text, verdicts = summary.summarize(str(tmp_path))
+    assert [line for line in text.splitlines() if line.startswith("  of which forward-backward") and
+            "base 0.530 s (0.530-0.530, n=3)" in line and "builtin 0.670 s" in line]
+    assert "forward-backward: offload adds +0.140 s to the first iteration, +0.010 s to a steady step: +0.130 s more " \
+           "in the first" in text
+    assert "the rest (reload, update): offload adds +0.110 s to the first iteration, +0.106 s to a steady step: " \
+           "+0.004 s more in the first" in text
+    assert "sync save: not measured" in text and "checkpoints builtin vs base: not compared" in text
+    # 0.13 s added; allowed 0.01 s over the link + 0.09 s pinning + 0.02 s unpinning = 0.12 s
+    assert "setup adds 0.130 s; allowed: the masters over the link 0.010 s (at 45.0 GB/s) + the pinning 0.090 s + " \
+           "its unpinning 0.020 s (NOT met); without the pinning: 0.020 s" in text
+    assert verdicts == {"one-first": False}
 
 
 def test_the_summary_shows_where_profiled_loads_went(tmp_path):
@@ -307,7 +381,7 @@ def test_the_gpu_script_keeps_a_second_pass_in_a_folder_of_its_own(tmp_path):
 FAKE_PYTHON = """#!/usr/bin/env bash
 # python3 on the fake PATH: a run records its settings and leaves its JSON and checkpoint folder; the summary
 # runs for real; a checkpoint comparison says identical
-echo "${BENCH_LOAD_TOUCH:-}|$*" >> "$RUNS_LOG"
+echo "${BENCH_LOAD_TOUCH:-}${BENCH_WARM:+ warm=$BENCH_WARM}|$*" >> "$RUNS_LOG"
 args=("$@")
 for i in "${!args[@]}"; do
   case ${args[$i]} in --out) out=${args[$((i + 1))]} ;; --save) save=${args[$((i + 1))]} ;; --compare) cmp=${args[$((i + 1))]} ;; esac
@@ -319,39 +393,69 @@ echo '{"summary": {"load_s": 1.0, "setup_s": 0.1}}' > "$out"
 """
 
 
-def test_a_variant_runs_in_each_repetition_beside_base_and_builtin_and_is_compared(tmp_path):
-    """BENCH_CKPT_VARIANT="NAME VAR=VALUE": a third mode, builtin-NAME, run right after base and builtin in each
-    repetition with those variables (only it), its checkpoints compared with base's, its own block in the summary."""
+def _fake_bench_ckpt(tmp_path, group, **env_vars):
+    """bench_ckpt.sh GROUP with python3 faked (FAKE_PYTHON): (the process, [(the run's variables, its command)])."""
     import sys
 
     fake = tmp_path / "bin"
-    fake.mkdir()
+    fake.mkdir(exist_ok=True)
     (fake / "python3").write_text(FAKE_PYTHON)
     (fake / "python3").chmod(0o755)
-    results, log = tmp_path / "res", tmp_path / "runs.log"
+    log = tmp_path / "runs.log"
+    log.unlink(missing_ok=True)
     env = dict(os.environ, PATH=f"{fake}:{os.environ['PATH']}", RUNS_LOG=str(log), REAL_PYTHON=sys.executable,
-               BENCH_CKPT_RESULTS=str(results), BENCH_CKPT_VARIANT="touchskip BENCH_LOAD_TOUCH=skip", REPS="2")
+               BENCH_CKPT_RESULTS=str(tmp_path / "res"), **env_vars)
     env.pop("OUT", None)
-    done = subprocess.run(["bash", os.path.join("scripts", "gpu", "bench_ckpt.sh"), "one-dp"], cwd=ROOT, env=env,
+    done = subprocess.run(["bash", os.path.join("scripts", "gpu", "bench_ckpt.sh"), group], cwd=ROOT, env=env,
                           capture_output=True, text=True)
+    runs = [line.split("|", 1) for line in log.read_text().splitlines() if "bench_offload.py" in line] \
+        if log.exists() else []
+    return done, runs
+
+
+def _out(cmd):
+    return os.path.basename(cmd.split("--out ")[1].split()[0])
+
+
+def test_variants_run_in_each_repetition_beside_base_and_builtin_and_are_compared(tmp_path):
+    """BENCH_CKPT_VARIANT="NAME VAR=VALUE; NAME VAR=VALUE": one more mode each, builtin-NAME, run after base and
+    builtin in each repetition with its own variables (only it), its checkpoints compared with base's, its own block
+    in the summary."""
+    done, runs = _fake_bench_ckpt(tmp_path, "one-dp", REPS="2",
+                                  BENCH_CKPT_VARIANT="touchskip BENCH_LOAD_TOUCH=skip; nowarm BENCH_WARM=skip")
     assert done.returncode == 0, done.stderr
-    runs = [line.split("|", 1) for line in log.read_text().splitlines() if "bench_offload.py" in line]
-    got = [(touch, "--mode builtin" in cmd, "bridge_fgo.cli.launcher" in cmd,
-            os.path.basename(cmd.split("--out ")[1].split()[0])) for touch, cmd in runs]
+    got = [(env, "--mode builtin" in cmd, "bridge_fgo.cli.launcher" in cmd, _out(cmd)) for env, cmd in runs]
     assert got == [("", False, False, "one-dp_prep.json")] + [
         run for rep in (1, 2) for run in (("", False, False, f"one-dp_base_r{rep}.json"),
                                           ("", True, True, f"one-dp_builtin_r{rep}.json"),
-                                          ("skip", True, True, f"one-dp_builtin-touchskip_r{rep}.json"))]
-    assert "COMPARE one-dp builtin: iteration 4: identical" in done.stdout
-    assert "COMPARE one-dp builtin-touchskip: iteration 4: identical" in done.stdout
-    assert not (tmp_path / "resck" / "one-dp").exists()  # every run and both comparisons done: removed
-    text = (results / "summary.txt").read_text()
+                                          ("skip", True, True, f"one-dp_builtin-touchskip_r{rep}.json"),
+                                          (" warm=skip", True, True, f"one-dp_builtin-nowarm_r{rep}.json"))]
+    for mode in ("builtin", "builtin-touchskip", "builtin-nowarm"):
+        assert f"COMPARE one-dp {mode}: iteration 4: identical" in done.stdout
+    assert not (tmp_path / "resck" / "one-dp").exists()  # every run and every comparison done: removed
+    text = (tmp_path / "res" / "summary.txt").read_text()
     assert "== one-dp ==" in text and "== one-dp, builtin-touchskip (builtin with BENCH_CKPT_VARIANT's settings) ==" in text
-    assert "checkpoints builtin-touchskip vs base: iteration 4: identical" in text
-    env["BENCH_CKPT_VARIANT"] = "Touch Skip"
-    done = subprocess.run(["bash", os.path.join("scripts", "gpu", "bench_ckpt.sh"), "one-dp"], cwd=ROOT, env=env,
-                          capture_output=True, text=True)
-    assert done.returncode == 2 and "BENCH_CKPT_VARIANT='Touch Skip': 'NAME VAR=VALUE...'" in done.stderr
+    assert "checkpoints builtin-nowarm vs base: iteration 4: identical" in text
+    for bad in ("Touch Skip", "touchskip BENCH_LOAD_TOUCH=skip; touchskip BENCH_WARM=skip", "nowarm"):
+        done, runs = _fake_bench_ckpt(tmp_path, "one-dp", BENCH_CKPT_VARIANT=bad)
+        assert done.returncode == 2 and f"BENCH_CKPT_VARIANT='{bad}': 'NAME VAR=VALUE...[; NAME VAR=VALUE...]'" \
+            in done.stderr and runs == []
+
+
+def test_the_first_iteration_group_loads_without_saves_and_profiles_base_and_builtin(tmp_path):
+    """one-first: one-dp's prep, then each mode resumed for FIRST_ITERS iterations with no save and nothing to
+    compare; PROFILE_FIRST=1 adds one profiled run of base and of builtin (its first iteration after the load)."""
+    done, runs = _fake_bench_ckpt(tmp_path, "one-first", REPS="2", FIRST_ITERS="3", PROFILE_FIRST="1")
+    assert done.returncode == 0, done.stderr
+    assert [_out(cmd) for _, cmd in runs] == ["one-first_prep.json"] + [
+        f"one-first_{mode}_r{rep}.json" for rep in (1, 2) for mode in ("base", "builtin")] + [
+        "one-first_base_profile.json", "one-first_builtin_profile.json"]
+    for _, cmd in runs[1:]:
+        assert "--save" not in cmd and "--async-save" not in cmd and "--load" in cmd and "--ckpt-step 2" in cmd
+    assert all("--iters 5" in cmd and "--profile-iter" not in cmd for _, cmd in runs[1:5])
+    assert all("--profile-iter 1" in cmd for _, cmd in runs[5:])
+    assert "COMPARE" not in done.stdout and not (tmp_path / "resck" / "one-first").exists()
+    assert "== one-first ==" in (tmp_path / "res" / "summary.txt").read_text()
 
 
 def test_each_run_leaves_a_tarball_that_comes_back_if_the_call_is_cut(tmp_path):
