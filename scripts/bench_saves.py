@@ -39,8 +39,10 @@ The first iteration after a load (issue 43: where its time goes beyond the same 
 setup_figures records its phases (before forward-backward, forward-backward, the rest: finalization, reload,
 update) beside the steady ones. BENCH_WARM=skip: the engine's one DMA pass over a new buffer (Transfers.warm,
 queued by the first step's offload after a load) is not made, only the registration it waits for.
-BENCH_HEAD=off: the first streamed step does not record the allocator's trace through its backward (Head: no
-prefetch during any backward then). Both recorded (warm, head), for variants that isolate what each costs.
+BENCH_HEAD=off: the first streamed step does not record the allocator's trace at all (Head: no prefetch during
+any backward then); BENCH_HEAD=whole: it records from the step's start, through every microbatch, as the engine
+did until 2026-11-29 (since, from the last backward's first hook). Both recorded (warm, head), for variants that
+isolate what each costs.
 
 Importing this module imports neither torch nor Megatron.
 """
@@ -260,8 +262,8 @@ def first_step_knobs(held):
     warm, head = os.environ.get("BENCH_WARM"), os.environ.get("BENCH_HEAD")
     if warm not in (None, "skip"):
         raise SystemExit(f"BENCH_WARM={warm!r}: 'skip' (or unset: the engine's warm pass)")
-    if head not in (None, "off"):
-        raise SystemExit(f"BENCH_HEAD={head!r}: 'off' (or unset: the first step measures backward's memory)")
+    if head not in (None, "off", "whole"):
+        raise SystemExit(f"BENCH_HEAD={head!r}: 'off' or 'whole' (or unset: the first step records the last backward)")
     from bridge_fgo.engine.streamed.head import Head
     from bridge_fgo.engine.streamed.transfers import Transfers
 
@@ -277,6 +279,15 @@ def first_step_knobs(held):
             return begin(self, False)
 
         Head.begin_step = unmeasured
+    elif head == "whole":
+        arm = Head._arm
+
+        def from_the_start(self):
+            arm(self)
+            if self.state == "armed":
+                self._start_trace()
+
+        Head._arm = from_the_start
     held["warm"], held["head"] = warm or "made", head or "measured"
 
 

@@ -32,7 +32,8 @@ def restore_patched(monkeypatch):
 
     for obj, name in ((timers.Timer, "start"), (timers.Timer, "stop"), (hostmem, "pin"),
                       (pinning.PinnedHost, "wait"), (pinning.PinnedHost, "free"),
-                      (StreamedEngine, "register_after_load"), (Transfers, "warm"), (Head, "begin_step")):
+                      (StreamedEngine, "register_after_load"), (Transfers, "warm"), (Head, "begin_step"),
+                      (Head, "_arm")):
         monkeypatch.setattr(obj, name, getattr(obj, name))
 
 
@@ -214,11 +215,34 @@ def test_bench_warm_skip_and_bench_head_off_change_only_what_they_name(restore_p
     assert starts == [] and head.state == "off"
     assert saves.setup_figures(held, [])["warm"] == "skip" and saves.setup_figures(held, [])["head"] == "off"
     for var, value, message in (("BENCH_WARM", "later", "BENCH_WARM='later': 'skip'"),
-                                ("BENCH_HEAD", "on", "BENCH_HEAD='on': 'off'")):
+                                ("BENCH_HEAD", "on", "BENCH_HEAD='on': 'off' or 'whole'")):
         monkeypatch.setenv(var, value)
         with pytest.raises(SystemExit, match=message):
             saves.instrument_setup({})
         monkeypatch.delenv(var)
+
+
+def test_bench_head_whole_records_from_the_steps_start(restore_patched, monkeypatch):
+    """BENCH_HEAD=whole: the first step's recording starts when it is armed (the step's start), as before
+    2026-11-29; unset, at the last backward's first hook."""
+    from bridge_fgo.engine.streamed.head import Head
+
+    started = []
+    monkeypatch.setattr(Head, "_start_trace", lambda self: started.append(self.hook))
+
+    def armed(self):
+        self.state = "armed"
+
+    monkeypatch.setattr(Head, "_arm", armed)
+    head = Head.__new__(Head)
+    saves.instrument_setup({})
+    Head._arm(head)
+    assert started == []
+    monkeypatch.setenv("BENCH_HEAD", "whole")
+    saves.instrument_setup({})
+    head.hook = 0
+    Head._arm(head)
+    assert started == [0]
 
 
 def test_the_saves_named_in_bench_sync_at_are_synchronous(monkeypatch):

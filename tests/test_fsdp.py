@@ -233,7 +233,7 @@ def test_the_head_hooks_the_modules_own_parameters_and_its_prefetch_stays_exact(
     engine.prepare()
     head = engine.head
     assert head.attached and len(head._handles) == len(origs)  # the one with no element here included
-    monkeypatch.setattr(head, "_fired", lambda real=head._fired: (order.append("head"), real())[1])
+    monkeypatch.setattr(head, "_fired", lambda param=None, real=head._fired: (order.append("head"), real(param))[1])
     engine.fitting.window_at(40_000, 2)
     slots = [s.nbytes for s in engine.transfers.window.slots]
     assert len(engine.chunks) > 2 and len(slots) == 2

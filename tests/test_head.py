@@ -277,7 +277,7 @@ def test_a_failing_measurement_ends_the_recording_and_never_fails_backward(monke
     monkeypatch.setattr(head_mod, "_microbatches", lambda: 1)
     engine = engine_for(make(), 600)
     engine.head.begin_step(measure=True)
-    assert engine.head.state == "measuring" and rec.calls == ["all"]
+    assert engine.head.state == "armed" and rec.calls == []  # one microbatch: the recording starts at its first hook
 
     def no_memory():
         raise RuntimeError("a stand-in failure")
@@ -295,12 +295,13 @@ def test_a_measured_step_that_never_finished_is_measured_again(monkeypatch):
     engine = engine_for(make(), 600)
     engine.head._allocated = lambda: 0
     engine.head.begin_step(measure=True)
-    engine.head._fired = lambda: None  # (markers need a GPU)
+    engine.head._start_trace()  # (as its first hook does)
     engine.head._samples = [1, 2, 3]  # a backward that failed before gradient finalization
     engine.head.begin_step(measure=True)  # the next step measures from scratch
-    assert rec.calls == ["all", None, "all"] and engine.head._samples == [] and engine.head.state == "measuring"
+    assert rec.calls == ["all", None] and engine.head._samples == [] and engine.head.state == "armed"
+    engine.head._start_trace()
     engine.head.detach()  # close() while measuring: the recording ends too
-    assert rec.calls[-1] is None and engine.head.state == "off"
+    assert rec.calls == ["all", None, "all", None] and engine.head.state == "off"
 
 
 def test_a_trace_that_cannot_be_read_turns_the_head_off_without_failing_the_step(monkeypatch, caplog):
@@ -312,6 +313,7 @@ def test_a_trace_that_cannot_be_read_turns_the_head_off_without_failing_the_step
     engine = engine_for(make(), 600)
     engine.head._allocated = lambda: 0
     engine.head.begin_step(measure=True)
+    engine.head._start_trace()  # (as its first hook does)
     monkeypatch.setattr(torch.cuda.memory, "_snapshot", broken)
     with caplog.at_level(logging.INFO, logger="bridge_fgo"):
         assert engine.head.end_step() is None
@@ -355,9 +357,85 @@ def test_a_curve_read_at_a_failed_steps_exit_is_never_enabled(monkeypatch):
     engine = engine_for(make(), 600)
     engine.head.curve, engine.head.state = Curve(at=[0], ahead=[0], first=0, hooks=1, microbatches=1), "measured"
     engine.head.begin_step(measure=True)
-    assert engine.head.curve is None and engine.head.state == "measuring" and rec.calls == ["all"]
+    assert engine.head.curve is None and engine.head.state == "armed" and rec.calls == []
     engine.head.enable(10**9)
-    assert engine.head.state == "measuring"  # nothing to enable
+    assert engine.head.state == "armed"  # nothing to enable
+
+
+class StepRecorder(FakeRecorder):
+    """The allocator's recording over a measured step on a CPU: while it records, each hook's two marker
+    allocations (the head's own torch.empty calls) are noted as the CUDA allocator would note them, and the
+    hooks' figures run down by 100 bytes a hook; the snapshot hands back what was noted."""
+
+    def __init__(self, monkeypatch, head):
+        super().__init__(monkeypatch, snapshot=lambda: {"device_traces": [list(self.trace)] if self.on else []})
+        self.trace, self.on, self.now = [], False, 10_000
+        self.fired = []  # after each hook: the recording's calls so far
+        monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", self.record)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        head._allocated = self.memory
+        real_empty = torch.empty
+
+        def empty(size, *a, **k):
+            if self.on and size in MARKS:
+                self.trace.append(alloc(len(self.trace), size))
+            return real_empty(size, *a, **k)
+
+        monkeypatch.setattr(torch, "empty", empty)
+
+    def record(self, enabled=None, **k):
+        self.calls.append(enabled)
+        self.on = self.on or enabled is not None  # (the snapshot after the end still holds the trace)
+
+    def memory(self):
+        self.now -= 100
+        return self.now
+
+
+def measured_step(monkeypatch, order, microbatches):
+    """One measured step whose hooks fire for the parameters in `order` (indices): (head, recorder)."""
+    monkeypatch.setattr(head_mod, "_microbatches", lambda: microbatches)
+    engine = engine_for(make(), 600)
+    head = engine.head
+    rec = StepRecorder(monkeypatch, head)
+    params = [object() for _ in range(max(order) + 1)]
+    head.begin_step(measure=True)
+    for i in order:
+        head._fired(params[i])
+        rec.fired.append(list(rec.calls))
+    head.end_step()
+    return head, rec
+
+
+@pytest.mark.parametrize("microbatches", [1, 2, 3])
+def test_the_recording_starts_where_the_last_backward_begins(monkeypatch, microbatches):
+    """Four parameters, each hook once a backward: nothing is recorded until the last backward's first hook
+    (found when a parameter fires again), and the curve of the last backward is read from there."""
+    head, rec = measured_step(monkeypatch, list(range(4)) * microbatches, microbatches)
+    starts = 4 * (microbatches - 1)
+    assert [len(calls) for calls in rec.fired] == [0] * starts + [1] * 4  # the recording began at that hook
+    c = head.curve
+    assert head.state == "measured" and rec.calls == ["all", None]
+    assert (c.first, c.hooks, c.microbatches, c.recorded_from) == (starts, 4 * microbatches, microbatches, starts)
+    assert c.at == [9_900, 9_800, 9_700, 9_600] and len(rec.trace) == 8  # four hooks' markers, no more
+
+
+def test_where_backwards_interleave_the_recording_starts_early_never_late(monkeypatch):
+    """Two model chunks (virtual pipeline stages) whose backwards interleave: parameter 0 fires again before
+    parameters 2 and 3 fired once. The recording starts at (microbatches - 1) x 2 = hook 4, before the last
+    backward's first (hook 8), and the curve is still the last four hooks'."""
+    head, rec = measured_step(monkeypatch, [0, 1, 0, 1, 2, 3, 2, 3, 0, 1, 2, 3], 3)
+    c = head.curve
+    assert (c.recorded_from, c.first, c.hooks) == (4, 8, 12) and len(c.at) == 4 and len(rec.trace) == 16
+    assert "recorded from hook 5 of 12" in (head.enable(10**9) or head.describe())
+
+
+def test_a_step_whose_parameters_never_fire_twice_turns_the_head_off(monkeypatch, caplog):
+    with caplog.at_level(logging.INFO, logger="bridge_fgo"):
+        head, rec = measured_step(monkeypatch, [0, 1, 2, 3], 2)  # two microbatches, four different parameters
+    assert head.state == "off" and rec.calls == [] and head.curve is None
+    assert "the gradient hooks fired 4 times in 2 microbatch(es), no parameter's twice: not the same number in " \
+           "every backward" in caplog.text
 
 
 def test_the_head_may_fill_up_to_the_runs_peak_where_the_step_set_it(monkeypatch):

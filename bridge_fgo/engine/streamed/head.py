@@ -15,9 +15,16 @@ before (update.py).
 The curve comes from the allocator itself, over that one step: its allocated figure at each hook
 (exact), and how far allocation rose between two hooks, read from its event trace
 (torch.cuda.memory._record_memory_history) with a marker allocation at each hook (two allocations of
-unusual sizes back to back). A curve that cannot be read turns the head off, with one INFO line: the
-trace lost markers (cut short), the hooks do not fire the same number of times in every microbatch (a
-parameter without a gradient in some), someone records memory history already, or the allocator
+unusual sizes back to back). The recording starts at the hook where the last backward begins, not at
+the step's start: recording forward-backward whole made the first iteration after a load 0.1 s longer
+(0.134 s more than a steady step adds, against 0.037 s without any measurement; one H200, 2026-11-29,
+docs/benchmarks.md#gpu-2026-11-29m). That hook is found without knowing the hooks per backward: each
+parameter's hook fires once a backward, so the first parameter to fire twice shows where the second
+backward began (hook k: k hooks a backward), and the last begins at (microbatches - 1) x k. Where a
+schedule interleaves backwards (virtual pipeline stages) a parameter repeats no later than that, so the
+recording starts early, never late. A curve that cannot be read turns the head off, with one INFO line:
+the trace lost markers (cut short), the hooks do not fire the same number of times in every microbatch
+(a parameter without a gradient in some), someone records memory history already, or the allocator
 offers no trace. Each later step checks that it
 follows the curve: at hook k, where more is allocated outside the head than the first step had there
 (beyond the margin), that step prefetches no more; a step whose hook count is not the first step's
@@ -52,12 +59,15 @@ class Curve:
     first: int  # the step's hook index where the last backward begins
     hooks: int  # hooks per step
     microbatches: int
+    recorded_from: int = 0  # the step's hook index where the recording began (at most `first`)
 
 
-def read_curve(trace, samples: List[int], end: int, microbatches: int) -> Tuple[Optional[Curve], str]:
-    """The curve from the allocator's events over one step's forward-backward (`trace`: dicts with
-    action, addr, size) and the allocated figure the allocator gave at each hook (`samples`, read
-    before the hook's marker) and at the end (`end`); or (None, why).
+def read_curve(trace, samples: List[int], end: int, microbatches: int,
+               hooks: Optional[int] = None) -> Tuple[Optional[Curve], str]:
+    """The curve from the allocator's events over the end of one step's forward-backward (`trace`: dicts
+    with action, addr, size) and the allocated figure the allocator gave at each hook recorded (`samples`,
+    read before the hook's marker) and at the end (`end`); or (None, why). `hooks`: the step's, of which
+    the recording held the last len(samples) (default: all of them).
 
     At each hook the allocator's own figure is exact. Between two hooks the trace gives how far
     allocation rose above where it was at the first of them: the trace records requested sizes, and a
@@ -88,15 +98,19 @@ def read_curve(trace, samples: List[int], end: int, microbatches: int) -> Tuple[
                 allocated -= _block(size)
         values.append(allocated)
         i += 1
+    hooks = len(samples) if hooks is None else hooks
     if len(marks) != len(samples):
         return None, (f"the allocator's trace holds {len(marks)} of the {len(samples)} hooks' markers: it was cut "
                       "short or missed events")
     if microbatches < 1:
         return None, "the number of microbatches is unknown (Megatron-Core's microbatch calculator is not set up)"
-    if not marks or len(marks) % microbatches:
-        return None, (f"the gradient hooks fired {len(marks)} times in {microbatches} microbatch(es): not the same "
+    if not marks or hooks % microbatches:
+        return None, (f"the gradient hooks fired {hooks} times in {microbatches} microbatch(es): not the same "
                       "number in every backward")
-    per = len(marks) // microbatches
+    per = hooks // microbatches
+    if per > len(marks):
+        return None, (f"the recording began {per - len(marks)} hook(s) after the last backward's first: the hooks "
+                      "do not fire once a parameter in every backward")
     first = len(marks) - per
     bounds = [v for v, _ in marks[first:]] + [len(values)]
     # how far allocation rose above each hook's figure before the next hook (never below the hook itself)
@@ -105,7 +119,7 @@ def read_curve(trace, samples: List[int], end: int, microbatches: int) -> Tuple[
     for k in range(per - 1, -1, -1):
         most = max(most, samples[first + k] + rises[k])
         ahead.append(most)
-    return Curve(at=list(samples[first:]), ahead=ahead[::-1], first=first, hooks=len(marks),
+    return Curve(at=list(samples[first:]), ahead=ahead[::-1], first=hooks - per, hooks=hooks,
                  microbatches=microbatches), ""
 
 
@@ -124,7 +138,7 @@ class Head:
         self._allocated = allocated  # tests give a GPU's figure; else torch.cuda.memory_allocated
         self._handles: list = []
         self.curve: Optional[Curve] = None
-        self.state = "off"  # off, measuring (the first streamed step), measured, on
+        self.state = "off"  # off, armed and measuring (the first streamed step), measured, on
         self.why_off: Optional[str] = None
         self.limit = 0  # bytes: what the head plus the rest may reach (the run's peak less a margin)
         self.offset = 0  # bytes kept on the GPU after the first step (gpu_budget_gib): on every phase
@@ -132,7 +146,10 @@ class Head:
         self.in_step = False
         self.stopped = False  # this step left the curve: no more prefetching
         self.microbatches = 0
-        self._samples: List[int] = []  # the measured step: allocated at each hook, before its marker
+        self._samples: List[int] = []  # the measured step: allocated at each hook recorded, before its marker
+        self._seen: Optional[set] = None  # armed: the parameters whose hook fired, until one fires again
+        self._starts: Optional[int] = None  # armed: the hook where the recording starts, once known
+        self._recorded_from = 0
         self.prefetched: Optional[int] = None  # the last step's chunks whose copy began in its last backward
         self.step_note: dict = {}  # this step's: the most room seen, where it left the curve
         self.last_note: dict = {}
@@ -145,10 +162,10 @@ class Head:
             return
         me = weakref.ref(self)
 
-        def fired(_param):
+        def fired(param):
             head = me()
             if head is not None:
-                head._fired()
+                head._fired(param)
 
         for part in self.plan.parts:
             for p in model_params(part.opt, part.fsdp):
@@ -178,7 +195,7 @@ class Head:
         self.hook, self.in_step, self.stopped = 0, True, False
         self.step_note = {}
         self.microbatches = _microbatches()
-        if self.state == "measuring":  # the measured step never reached gradient finalization: measure anew
+        if self.state in ("armed", "measuring"):  # the measured step never reached gradient finalization: anew
             self._stop_recording()
         elif self.state == "measured":  # read at a step's exit, but no update followed it: a partial curve
             self.state, self.curve = "off", None
@@ -191,13 +208,18 @@ class Head:
                  self.curve.microbatches, self.curve.microbatches)
         if measure and self.state == "off" and self.why_off is None:
             if self.attached:
-                self._start_trace()
+                self._arm()
             else:
                 self.off("no parameter the optimizers update takes a gradient-accumulation hook")
 
     def end_step(self) -> Optional[Curve]:
         """Gradient finalization (reload): the measured step's curve is read; a later step's count checked."""
         self.in_step = False
+        if self.state == "armed":  # the recording never started
+            self.off("no gradient hook fired in the measured step" if not self.hook else
+                     f"the gradient hooks fired {self.hook} times in {self.microbatches} microbatch(es), no parameter's "
+                     "twice: not the same number in every backward")
+            return None
         if self.state == "measuring":
             try:
                 return self._end_trace()
@@ -227,12 +249,14 @@ class Head:
             logger.info("%sno prefetch during backward: %s", rank_prefix(), why)
         self.state, self.why_off, self.curve = "off", why, None
 
-    def _fired(self) -> None:
+    def _fired(self, param=None) -> None:
         if not self.in_step:
             return  # a backward outside train_step
         k = self.hook
         self.hook += 1
         try:
+            if self.state == "armed" and self._last_backward_from(k, param):
+                self._start_trace()
             if self.state == "measuring":
                 import torch
 
@@ -243,7 +267,7 @@ class Head:
             elif self.state == "on" and not self.stopped and k >= self.curve.first:
                 self._prefetch(k - self.curve.first)
         except Exception as exc:  # inside autograd: never fail the training's backward for a prefetch
-            what = "measuring backward's memory" if self.state == "measuring" else "prefetch during backward"
+            what = "measuring backward's memory" if self.state in ("armed", "measuring") else "prefetch during backward"
             self._stop_recording()
             logger.warning("%s%s failed (%s: %s); the update copies its chunks in itself from here on",
                            rank_prefix(), what, type(exc).__name__, exc)
@@ -272,7 +296,9 @@ class Head:
             i += 1
 
     # -- the measurement (CUDA only) --------------------------------------------------------------
-    def _start_trace(self) -> None:
+    def _arm(self) -> None:
+        """The first streamed step begins: whether the allocator can be recorded is checked now; the recording
+        starts at the last backward's first hook (the module's docstring)."""
         import torch
 
         record = getattr(torch.cuda.memory, "_record_memory_history", None)
@@ -283,12 +309,32 @@ class Head:
         if any(snapshot().get("device_traces") or ()):
             self.off("this process records memory history already (a profiler?): measuring would end it")
             return
-        self._samples = []
-        record(enabled="all", context=None, stacks="python", max_entries=TRACE_ENTRIES)
+        self._samples, self._seen = [], set()
+        self._starts = 0 if self.microbatches <= 1 else None
+        self.state = "armed"
+
+    def _last_backward_from(self, k: int, param) -> bool:
+        """Armed, at hook k: whether the recording starts here (at the last backward's first hook, or earlier)."""
+        if self._starts is None:
+            key = id(param)
+            if key in self._seen:  # a second backward began at hook k: k hooks a backward
+                self._starts, self._seen = (self.microbatches - 1) * k, None
+            else:
+                self._seen.add(key)
+        return self._starts is not None and k >= self._starts
+
+    def _start_trace(self) -> None:
+        import torch
+
+        self._recorded_from = self.hook - 1  # (called at that hook, counted already)
+        torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python",
+                                                 max_entries=TRACE_ENTRIES)
         self.state = "measuring"
 
     def _stop_recording(self) -> None:
         """End the measured step's recording (never raises: its callers are failure paths too)."""
+        if self.state == "armed":
+            self.state, self._seen = "off", None
         if self.state == "measuring":
             self.state = "off"
             try:
@@ -307,11 +353,13 @@ class Head:
         traces = torch.cuda.memory._snapshot().get("device_traces") or []
         self._stop_recording()
         index = device.index if device.index is not None else torch.cuda.current_device()
-        curve, why = read_curve(traces[index] if index < len(traces) else [], self._samples, end, self.microbatches)
+        curve, why = read_curve(traces[index] if index < len(traces) else [], self._samples, end, self.microbatches,
+                                self.hook)
         self._samples = []
         if curve is None:
             self.off(why)
             return None
+        curve.recorded_from = self._recorded_from
         self.curve, self.state = curve, "measured"
         return curve
 
@@ -321,7 +369,7 @@ class Head:
         c, gib = self.curve, 2**30
         text = (f"during the last backward up to {min(len(self.transfers.window.slots), len(self.plan.chunks))} "
                 f"chunk(s) come in early, by the curve the first step measured ({c.hooks // c.microbatches} hooks a "
-                f"backward, allocated {c.at[0] / gib:.2f} -> {c.at[-1] / gib:.2f} GiB, at most "
+                f"backward, recorded from hook {c.recorded_from + 1} of {c.hooks}, allocated {c.at[0] / gib:.2f} -> {c.at[-1] / gib:.2f} GiB, at most "
                 f"{(self.limit - c.ahead[-1]) / gib:.2f} GiB of room under {self.limit / gib:.2f} GiB)")
         if self.prefetched is not None:
             n = self.last_note
