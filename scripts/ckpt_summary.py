@@ -8,12 +8,13 @@ Each run is RESULTS_DIR/GROUP_MODE_rN.json (scripts/bench_offload.py run's outpu
 rank 1 beside it as .rank1.json), GROUP one of GROUPS below, MODE base or builtin;
 GROUP_compare.json holds the checkpoint comparison. Per group and mode, over the runs: medians and spread
 (min-max) of model-and-optimizer setup, the pinning within it (builtin), the load, the first iteration after
-it and the steady step (each with its phases: where the first iteration's excess is), the first asynchronous save's stall, the next one's, the synchronous save, the host's
-RSS peak and /dev/shm; then the targets: async stall, sync save and load each at most 1.1x without offload,
-the first iteration after a load at most 1.1x builtin's steady step (beside it, against no offload's first
-iteration plus what a steady streamed step adds: no offload's is itself 3-4x its steady step), setup at most no
-offload's plus the masters' bytes over the link (--link-gbs) plus the pinning (the landing block's registration
-and its unregistration, reported apart), and the checkpoints identical.
+it and the steady step (each with its phases: where the first iteration's excess is), the first asynchronous
+save's stall, the next one's, the synchronous save, the host's RSS peak and /dev/shm; then the targets: async
+stall, sync save and load each at most 1.1x without offload, the first iteration after a load at most 1.1x
+builtin's steady step (beside it, against no offload's first iteration plus what a steady streamed step adds: no
+offload's is itself 3-4x its steady step), setup at most no offload's plus the masters' bytes over the link
+(--link-gbs) plus the pinning (the landing block's registration and its unregistration, reported apart), and the
+checkpoints identical.
 Every data-parallel figure is the slower rank's. Runs made with BENCH_PROFILE_LOAD (scripts/bench_saves.py) add
 the functions of most own time during the load, medians per mode (rank 0's).
 

@@ -217,8 +217,8 @@ class Head:
         self.in_step = False
         if self.state == "armed":  # the recording never started
             self.off("no gradient hook fired in the measured step" if not self.hook else
-                     f"the gradient hooks fired {self.hook} times in {self.microbatches} microbatch(es), no parameter's "
-                     "twice: not the same number in every backward")
+                     f"the gradient hooks fired {self.hook} times in {self.microbatches} microbatch(es), no "
+                     "parameter's twice: not the same number in every backward")
             return None
         if self.state == "measuring":
             try:
@@ -369,8 +369,9 @@ class Head:
         c, gib = self.curve, 2**30
         text = (f"during the last backward up to {min(len(self.transfers.window.slots), len(self.plan.chunks))} "
                 f"chunk(s) come in early, by the curve the first step measured ({c.hooks // c.microbatches} hooks a "
-                f"backward, recorded from hook {c.recorded_from + 1} of {c.hooks}, allocated {c.at[0] / gib:.2f} -> {c.at[-1] / gib:.2f} GiB, at most "
-                f"{(self.limit - c.ahead[-1]) / gib:.2f} GiB of room under {self.limit / gib:.2f} GiB)")
+                f"backward, recorded from hook {c.recorded_from + 1} of {c.hooks}, allocated {c.at[0] / gib:.2f} -> "
+                f"{c.at[-1] / gib:.2f} GiB, at most {(self.limit - c.ahead[-1]) / gib:.2f} GiB of room under "
+                f"{self.limit / gib:.2f} GiB)")
         if self.prefetched is not None:
             n = self.last_note
             text += f"; the last step: {self.prefetched} chunk(s)"
