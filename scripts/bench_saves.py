@@ -306,6 +306,7 @@ def setup_figures(held, recs):
     pins = held.get("pins", [])
     t = held.get("timers", {})
     steady = [r["step_s"] for r in recs[1:]]
+    loaded = bool(recs) and t.get("load-checkpoint") is not None  # recs[0]: the first iteration after a load
     return {
         "setup_s": t.get("model-and-optimizer-setup"), "load_s": t.get("load-checkpoint"),
         "load_threads": held.get("load_threads"),
@@ -319,11 +320,10 @@ def setup_figures(held, recs):
                           if p["during"] == "load-checkpoint"),
         "host_after_setup": held.get("host", {}).get("model-and-optimizer-setup"),
         "host_after_load": held.get("host", {}).get("load-checkpoint"),
-        "first_iter_after_load_s": recs[0]["step_s"] if recs and t.get("load-checkpoint") is not None else None,
+        "first_iter_after_load_s": recs[0]["step_s"] if loaded else None,
         "steady_after_first_median_s": statistics.median(steady) if steady else None,
         # each phase of the first iteration after a load, and its median over the steady ones (bench_run.py's)
-        "first_iter_after_load_phases": {k: recs[0].get(k) for k in PHASES}
-        if recs and t.get("load-checkpoint") is not None else None,
+        "first_iter_after_load_phases": {k: recs[0].get(k) for k in PHASES} if loaded else None,
         "steady_phases_median": {k: statistics.median(r[k] for r in recs[1:]) for k in PHASES
                                  if all(k in r for r in recs[1:])} if recs[1:] else None,
         "warm": held.get("warm"), "head": held.get("head"),

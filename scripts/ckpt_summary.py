@@ -27,8 +27,11 @@ import os
 import re
 import statistics
 
+from bench_saves import PHASES  # an iteration's phases, as each run records them
+
 TARGET = 1.1
-PHASES = ("pre_s", "fwdbwd_s", "post_s")  # bench_run.py's phases of an iteration (bench_saves.setup_figures)
+# each phase's name in the summary
+PHASE_NAMES = dict(zip(PHASES, ("before forward-backward", "forward-backward", "the rest (reload, update)")))
 GROUPS = ("one-dp", "one-full", "one-dp-1t", "one-fsdp", "one-first", "dp2-dp", "dp2-full", "dp2-fsdp")
 # builtin-NAME: bench_ckpt.sh's BENCH_CKPT_VARIANT, builtin under other settings, interleaved with the two
 RUN = re.compile(r"^(?P<group>[a-z0-9-]+)_(?P<mode>base|builtin(?:-[a-z0-9]+)?)_r(?P<rep>\d+)\.json$")
@@ -113,10 +116,8 @@ KEYS = (("setup_s", "model-and-optimizer setup"), ("setup_pin_s", "  of which pi
         ("setup_unpin_s", "  of which unpinning it"),
         ("load_s", "load"), ("load_pin_s", "  of which pinning (first touch, then any wait for cudaHostRegister)"),
         ("first_after_load_s", "first iteration after the load"),
-        ("first_pre_s", "  of which before forward-backward"), ("first_fwdbwd_s", "  of which forward-backward"),
-        ("first_post_s", "  of which the rest (reload, update)"),
-        ("steady_s", "steady step"), ("steady_pre_s", "  of which before forward-backward"),
-        ("steady_fwdbwd_s", "  of which forward-backward"), ("steady_post_s", "  of which the rest (reload, update)"),
+        *((f"first_{k}", f"  of which {name}") for k, name in PHASE_NAMES.items()),
+        ("steady_s", "steady step"), *((f"steady_{k}", f"  of which {name}") for k, name in PHASE_NAMES.items()),
         ("async_first_s", "async save stall, first"),
         ("async_next_s", "async save stall, the next (beside the first)"),
         ("async_next_finishing_s", "  of which finishing the pending save"),
@@ -219,8 +220,7 @@ def _report(lines, results, modes, group, ours_mode, link_gbs):
 def _phase_lines(base, ours):
     """Where the first iteration's excess is: each phase's difference, first iteration against steady."""
     out = []
-    for k, name in (("pre_s", "before forward-backward"), ("fwdbwd_s", "forward-backward"),
-                    ("post_s", "the rest (reload, update)")):
+    for k, name in PHASE_NAMES.items():
         b1, o1, bs, os_ = (x[f"{w}_{k}"] for w in ("first", "steady") for x in (base, ours))
         if None in (b1, o1, bs, os_):
             continue

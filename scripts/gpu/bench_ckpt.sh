@@ -30,7 +30,8 @@
 # variables), run in each repetition right after base and builtin, its checkpoints compared with base's too:
 # settings compared within one call's noise (a load varied by 0.8 s between runs of one call without offload, one
 # H200, 2026-11-29). PROFILE_FIRST=1: after the repetitions, one run of base and one of builtin with the first
-# iteration after the load under torch.profiler (GROUP_MODE_profile: op tables and timeline beside its JSON; not in the summary).
+# iteration after the load under torch.profiler (GROUP_MODE_profile: op tables and timeline beside its JSON; not in
+# the summary).
 set -u
 DEADLINE_S=${DEADLINE_S:-540}
 MIN_S=${MIN_S:-45}
