@@ -35,6 +35,9 @@ recorded as load_register). BENCH_LOAD_TOUCH=before|skip: that buffer's pages ar
 from several threads, or not (the load's copies fault them in as they write; a page is zeroed by the kernel once
 either way, and the touch writes it once more); unset: the engine's choice, skip where the load brings the
 states and the registration runs after it (since 2026-11-29). Recorded as load_touch. (issue 43)
+BENCH_LOAD_READS=torch: what a load reads for the host buffer goes through torch's own FileSystemReader.read_data
+(torch.load into fresh memory, then a copy), as before 2026-12-01, instead of straight into the buffer
+(bridge_fgo/instrument/reads.py); recorded as load_reads, with what was read straight in (load_straight).
 The first iteration after a load (issue 43: where its time goes beyond the same iteration without offload):
 setup_figures records its phases (before forward-backward, forward-backward, the rest: finalization, reload,
 update) beside the steady ones. BENCH_WARM=skip: the engine's one DMA pass over a new buffer (Transfers.warm,
@@ -175,6 +178,7 @@ def instrument_setup(held):
         raise SystemExit(f"BENCH_LOAD_TOUCH={touch!r}: 'before' or 'skip' (or unset: the engine's choice)")
     if touch == "skip" and register in ("before", "beside"):  # that registration would fault the pages in itself
         raise SystemExit(f"BENCH_LOAD_TOUCH=skip needs the registration after the load, not BENCH_LOAD_REGISTER={register}")
+    load_reads(held)
     profile_top = os.environ.get("BENCH_PROFILE_LOAD")
     if profile_top is not None and not (profile_top.isdigit() and int(profile_top) > 0):
         raise SystemExit(f"BENCH_PROFILE_LOAD={profile_top!r}: a positive integer (how many functions to record)")
@@ -257,6 +261,26 @@ def instrument_setup(held):
     hostmem.pin, pinning.PinnedHost.wait, pinning.PinnedHost.free = timed_pin, timed_wait, timed_free
 
 
+def load_reads(held):
+    """BENCH_LOAD_READS=torch|straight (the module's docstring); what a load read straight in, recorded."""
+    how = os.environ.get("BENCH_LOAD_READS")
+    if how not in (None, "torch", "straight"):
+        raise SystemExit(f"BENCH_LOAD_READS={how!r}: 'torch' or 'straight' (or unset: straight into the buffer)")
+    from bridge_fgo.instrument import reads
+
+    straight_into = reads.straight_into
+
+    @contextlib.contextmanager
+    def recorded(buffers):
+        with straight_into(buffers if how != "torch" else []) as r:
+            yield r
+        held["load_straight"] = {"tensors": r.tensors, "bytes": r.nbytes, "seconds": round(r.seconds, 4),
+                                 "threads": r.threads, "as_torch": r.as_torch}
+
+    reads.straight_into = recorded
+    held["load_reads"] = how or "straight"
+
+
 def first_step_knobs(held):
     """BENCH_WARM=skip, BENCH_HEAD=off (the module's docstring), checked before anything is patched."""
     warm, head = os.environ.get("BENCH_WARM"), os.environ.get("BENCH_HEAD")
@@ -313,6 +337,7 @@ def setup_figures(held, recs):
         "load_profile": held.get("load_profile"),
         "load_register": held.get("load_register"),
         "load_touch": held.get("load_touch"),
+        "load_reads": held.get("load_reads"), "load_straight": held.get("load_straight"),
         "pins": pins,
         "setup_pin_s": sum(p.get("pin_s", 0.0) for p in pins if p["during"] == "model-and-optimizer-setup"),
         "setup_unpin_s": sum(p.get("free_s", 0.0) for p in pins if p["during"] == "model-and-optimizer-setup"),

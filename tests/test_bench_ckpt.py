@@ -29,9 +29,10 @@ def restore_patched(monkeypatch):
     from bridge_fgo.engine.streamed.head import Head
     from bridge_fgo.engine.streamed.transfers import Transfers
     from bridge_fgo.hostmem import pinning
+    from bridge_fgo.instrument import reads
 
     for obj, name in ((timers.Timer, "start"), (timers.Timer, "stop"), (hostmem, "pin"),
-                      (pinning.PinnedHost, "wait"), (pinning.PinnedHost, "free"),
+                      (pinning.PinnedHost, "wait"), (pinning.PinnedHost, "free"), (reads, "straight_into"),
                       (StreamedEngine, "register_after_load"), (Transfers, "warm"), (Head, "begin_step"),
                       (Head, "_arm")):
         monkeypatch.setattr(obj, name, getattr(obj, name))
@@ -519,3 +520,43 @@ def test_the_reads_beside_the_pinning_bench_reads_every_byte_and_cleans_up(tmp_p
     with pytest.raises(SystemExit) as exc:
         reads.main()
     assert exc.value.code == 2 and "must be positive" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("how", [None, "straight", "torch"])
+def test_bench_load_reads_chooses_torchs_reads_or_straight_ones_and_records_them(restore_patched, monkeypatch,
+                                                                                 tmp_path, how):
+    """BENCH_LOAD_READS=torch: a load's reads go through torch's own read_data (as before 2026-12-01), for a variant
+    beside the default (straight into the buffer); what was read straight in is recorded either way."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from bridge_fgo.instrument import reads
+
+    if how:
+        monkeypatch.setenv("BENCH_LOAD_READS", how)
+    held = {}
+    saves.instrument_setup(held)
+    buf = torch.zeros(64, dtype=torch.uint8)
+    dcp.save({"x": torch.arange(16.0)}, checkpoint_id=tmp_path, no_dist=True)
+    with reads.straight_into([types.SimpleNamespace(tensor=buf)]):  # as the load's call site enters it
+        dcp.load({"x": buf.view(torch.float32)}, checkpoint_id=tmp_path, no_dist=True)
+    assert torch.equal(buf.view(torch.float32), torch.arange(16.0))
+    got = saves.setup_figures(held, [])
+    assert got["load_reads"] == (how or "straight")
+    assert got["load_straight"]["tensors"] == (0 if how == "torch" else 1)
+    monkeypatch.setenv("BENCH_LOAD_READS", "both")
+    with pytest.raises(SystemExit, match="BENCH_LOAD_READS='both': 'torch' or 'straight'"):
+        saves.instrument_setup({})
+
+
+def test_bench_straight_reads_runs_and_finds_every_load_identical(tmp_path):
+    """scripts/bench_straight_reads.py on CPU (no GPU variant here): torch's reads and the straight ones of the same
+    checkpoint, each load's bytes compared with what was saved."""
+    out = tmp_path / "r.json"
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_straight_reads.py"), "--gib", "0.01",
+                           "--tensors", "3", "--reps", "1", "--dir", str(tmp_path), "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = json.loads(out.read_text())
+    assert got["all_identical"] and [r["variant"] for r in got["runs"]] == ["torch", "straight"]
+    assert [r["straight"]["tensors"] for r in got["runs"]] == [0, 3]

@@ -12,6 +12,7 @@ import bridge_fgo
 from bridge_fgo.engine import fsdp as engine_fsdp
 from bridge_fgo.engine.streamed import StreamedEngine
 from bridge_fgo.errors import BridgeFGOConfigError
+from bridge_fgo.instrument import reads
 from support import fsdp, fused_adam, harness
 
 OPTIMIZERS = {"torch": dict(optimizer="torch"), "torch-for-loop": dict(optimizer="torch", foreach=False),
@@ -573,9 +574,16 @@ def test_fsdp_dtensor_save_and_load_read_and_write_the_host_views(gloo, kind, tm
         new._mesh._device_type = "cuda"
         engine2 = StreamedEngine([new], 40_000)
         engine2.prepare()
+        key2 = engine2.buffer.tensor.untyped_storage().data_ptr()
         with engine2.checkpoint_io():
             sd = fsdp.checkpoint_state(new, loading=True)
-            dcp.load(sd, checkpoint_id=tmp_path / "fgo")
+            with reads.straight_into([engine2.buffer]) as straight:
+                dcp.load(sd, checkpoint_id=tmp_path / "fgo")
+            # each DTensor over the host views (states, and the masters the module's twins show) read straight
+            # into it from the file (instrument/reads.py)
+            assert straight.tensors == sum(1 for t in _dtensors(sd) if t._local_tensor.numel()
+                                           and t._local_tensor.untyped_storage().data_ptr() == key2) > 10
+            assert straight.as_torch == 0
             new.model_chunks[0].module.module.load_state_dict(sd["model"])
             new.model_chunks[0].param_and_grad_buffer.copy_main_weights_to_model_weights()
             new.load_state_dict(sd["optimizer"])

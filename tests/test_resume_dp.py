@@ -346,6 +346,10 @@ def test_a_resume_loads_into_host_memory_and_steps_bit_identically(runs, saved_b
         if fmt == "dp_reshardable" and case != TE_MASTERS:  # (TE: unscaled fp32 copies, made on the host)
             # torch_dist writes straight into the pinned buffer: one filled tensor per master and state there
             assert offload["filled in the buffer"] == offload["entries"] and offload["filled elsewhere"] == 0
+            # and reads each straight in, from the file (a reshard: parts of saved tensors), none as torch does
+            straight, as_torch = offload["gpu"]["straight"]
+            assert straight >= offload["filled in the buffer"] and as_torch == 0, (straight, as_torch)
+        assert plain["gpu"]["straight"] is None
         assert _same_space(offload["loaded"], plain["loaded"]), rank
         assert _equal(offload["resumed"], plain["resumed"]), rank
         if saved_by == world:

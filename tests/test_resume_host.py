@@ -189,13 +189,14 @@ def test_a_model_only_load_leaves_no_stale_state(case, after):
 
 @pytest.mark.parametrize("load_optim", [True, False])
 def test_the_load_call_site_prepares_the_engine_before_bridges_load(train_module, load_optim, caplog_fgo,
-                                                                    monkeypatch):
+                                                                    monkeypatch, tmp_path):
     """Bridge's load_checkpoint as the patch wraps it: the session is decided and its engine prepared
     before the load runs (states in their host views, or, for a load of the model only, made after
     it), and what the load bound elsewhere is taken back into the host views when it returns."""
     import types
 
     import torch
+    import torch.distributed.checkpoint as dcp
 
     import bridge_fgo
     from bridge_fgo.instrument import targets
@@ -217,11 +218,16 @@ def test_the_load_call_site_prepares_the_engine_before_bridges_load(train_module
     inner = r.dist_optimizer.optimizer
     seen = {}
 
-    def load(state, model, optimizer, scheduler):  # stands in for Bridge's load: one state made anew
+    def load(state, model, optimizer, scheduler):  # stands in for Bridge's load: one state made anew, one read
         seen["states"] = sum(len(inner.state[p]) for g in inner.param_groups for p in g["params"])
         seen["threads"] = torch.get_num_threads()
         p = inner.param_groups[0]["params"][0]
         if inner.state[p]:
+            # a real torch.distributed.checkpoint load into a host view, as torch_dist's: read straight into it
+            view = inner.state[p]["exp_avg_sq"]
+            seen["read"] = view + 2
+            dcp.save({"v": seen["read"]}, checkpoint_id=tmp_path / "ck", no_dist=True)
+            dcp.load({"v": view}, checkpoint_id=tmp_path / "ck", no_dist=True)
             inner.state[p]["exp_avg"] = inner.state[p]["exp_avg"].clone() + 1
         return 0, 0
 
@@ -239,11 +245,15 @@ def test_the_load_call_site_prepares_the_engine_before_bridges_load(train_module
     engine = session.adapter.engine
     assert (seen["states"] > 0) == load_optim  # a model-only load: made after it, from the loaded weights
     assert engine.on_host() and all(len(inner.state[p]) for g in inner.param_groups for p in g["params"])
+    if load_optim:  # what the load read is in the host view it read into
+        assert torch.equal(inner.state[inner.param_groups[0]["params"][0]]["exp_avg_sq"], seen["read"])
     # where the load's time went, in one line per rank: before it, Bridge's own, and each part after it
     (said,) = [r.getMessage() for r in caplog_fgo.records if "the checkpoint load took" in r.getMessage()]
+    straight = (fr"; 1 tensor\(s\), [\d.]+ GiB \({seen['read'].numel() * 4} bytes\) read straight into the host buffer in [\d.]+ s "
+                r"\(1 thread\(s\)\)") if load_optim else ""
     found = re.search(r"took ([\d.]+) s here: bridge_fgo's preparation before it ([\d.]+) s, Megatron-Bridge's "
-                      r"load [\d.]+ s \(torch's threads 1 -> 8 for it\), bridge_fgo's work after it [\d.]+ s \(waiting for the registration [\d.]+ s, "
-                      r"taking what the load bound elsewhere [\d.]+ s\)$", said)
+                      fr"load [\d.]+ s \(torch's threads 1 -> 8 for it{straight}\), bridge_fgo's work after it [\d.]+ s "
+                      r"\(waiting for the registration [\d.]+ s, taking what the load bound elsewhere [\d.]+ s\)$", said)
     assert found and float(found[1]) >= float(found[2]) >= 0.2, said  # the session's preparation counted
     bridge_fgo.unpatch()
 

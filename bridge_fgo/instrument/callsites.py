@@ -26,7 +26,7 @@ from typing import Dict, Optional, Tuple
 import wrapt
 
 from .. import hostmem, peaks
-from . import agree, decide, saves, targets
+from . import agree, decide, reads, saves, targets
 from ..errors import BridgeFGOConfigError
 from ..log import logger, rank_prefix
 from ..options import Options
@@ -50,28 +50,34 @@ def _load(session, wrapped, args, kwargs, start: float):
     times = [start]
     session.prepare()
     times.append(time.perf_counter())
-    threads = None
-    try:  # the load copies what it reads into the host buffer with torch's copy_, on torch's threads
-        with checkpoint_io([session]), hostmem.spread.torch_threads() as threads:
+    threads = straight = None
+    try:  # what the load reads for the host buffer goes straight into it (reads.py); the rest of what it copies
+        # between host tensors runs on torch's threads
+        with (checkpoint_io([session]), hostmem.spread.torch_threads() as threads,
+              reads.straight_into(session.adapter.host_buffers()) as straight):
             result = wrapped(*args, **kwargs)
     finally:
         times.append(time.perf_counter())
         laps = session.adapter.after_load()
         peaks.note("checkpoint load")
-    _say_load(times + [time.perf_counter()], laps, threads)
+    _say_load(times + [time.perf_counter()], laps, threads, straight)
     return result
 
 
-def _say_load(times, laps, threads=None) -> None:
+def _say_load(times, laps, threads=None, straight=None) -> None:
     """Where a checkpoint load's time went on this rank, `times` its four moments (issue 43: the load with
-    offload against without); `threads`: torch's (before, during) the load."""
+    offload against without); `threads`: torch's (before, during) the load; `straight`: its reads.Reads."""
     start, prepared, loaded, end = times
     parts = f" ({', '.join(f'{what} {s:.2f} s' for what, s in laps)})" if laps else ""
-    raised = (f" (torch's threads {threads[0]} -> {threads[1]} for it)" if threads and threads[0] != threads[1]
-              else "")
+    notes = [f"torch's threads {threads[0]} -> {threads[1]} for it"] if threads and threads[0] != threads[1] else []
+    if straight is not None and straight.tensors:
+        notes.append(straight.describe())
+    if straight is not None and straight.as_torch:
+        notes.append(f"{straight.as_torch} tensor(s) of the host buffer read as torch reads them")
+    said = f" ({'; '.join(notes)})" if notes else ""
     logger.info("%sthe checkpoint load took %.2f s here: bridge_fgo's preparation before it %.2f s, Megatron-Bridge's "
                 "load %.2f s%s, bridge_fgo's work after it %.2f s%s", rank_prefix(), end - start, prepared - start,
-                loaded - prepared, raised, end - loaded, parts)
+                loaded - prepared, said, end - loaded, parts)
 
 
 class ReloadingFinalize(wrapt.FunctionWrapper):

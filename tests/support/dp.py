@@ -348,9 +348,12 @@ class Run:
         load_state_dict), torch_dist filling it, the model's weights, then the optimizer's
         load_state_dict. With `engine`, prepared before (as the patched load_checkpoint does) and told
         after. `seen(state_dict)`: what torch_dist is about to fill. Returns what each phase put on
-        the GPU, in bytes (with `gpu`, the GpuOnCpu in force)."""
+        the GPU, in bytes (with `gpu`, the GpuOnCpu in force), and under "straight" (with `engine`) the
+        items torch_dist read straight into the pinned buffer and those of it read as torch reads them."""
         from megatron.core import dist_checkpointing
         from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
+
+        from bridge_fgo.instrument import reads
 
         phases = {}
 
@@ -365,8 +368,11 @@ class Run:
         phase("sharded_state_dict")
         if seen is not None:
             seen(loading)
-        state = dist_checkpointing.load(loading, directory, TorchDistLoadShardedStrategy())
+        # what the patched load_checkpoint reads straight into the pinned buffer (instrument/reads.py)
+        with (reads.straight_into([engine.buffer]) if engine is not None else contextlib.nullcontext()) as straight:
+            state = dist_checkpointing.load(loading, directory, TorchDistLoadShardedStrategy())
         phase("torch_dist")
+        phases["straight"] = (straight.tensors, straight.as_torch) if straight is not None else None
         self.model.module.load_state_dict(state["model"])  # Bridge unwraps the model (DDP) for both
         self.optimizer.load_state_dict(state["optimizer"])
         phase("load_state_dict")
