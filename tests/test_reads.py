@@ -162,3 +162,45 @@ def test_a_truncated_file_is_named_not_read_short(tmp_path):
     with open(path, "rb") as f, pytest.raises(BridgeFGOError, match="100 byte.*truncated"):
         reads._pread(f.fileno(), 0, out.data_ptr(), 200)
     assert bytes(out[:100].tolist()) == b"x" * 100
+
+
+class _LocalFs:
+    """A file system of another kind over this host's files, as Multi-Storage Client's is over a local path (which
+    megatron-core 0.17 takes whenever multistorageclient is installed): paths either local, or URL-like."""
+
+    def __init__(self, url: bool):
+        from torch.distributed.checkpoint.filesystem import FileSystem
+
+        self._fs, self._url = FileSystem(), url
+
+    def concat_path(self, path, suffix):
+        joined = self._fs.concat_path(str(path).removeprefix("local://"), suffix)
+        return f"local://{joined}" if self._url else joined
+
+    def init_path(self, path):
+        return f"local://{path}" if self._url else self._fs.init_path(path)
+
+    def create_stream(self, path, mode):
+        return self._fs.create_stream(str(path).removeprefix("local://"), mode)
+
+    def __getattr__(self, name):  # the rest as torch's FileSystem does it, on the local path
+        return lambda path, *a: getattr(self._fs, name)(str(path).removeprefix("local://"), *a)
+
+
+@pytest.mark.parametrize("url, straight", [(False, True), (True, False)], ids=["local-path", "url"])
+def test_another_file_system_is_read_straight_only_over_this_hosts_files(tmp_path, monkeypatch, url, straight):
+    want = saved(tmp_path)
+    buf, views = buffer_views()
+    monkeypatch.setattr(FileSystemReader, "__init__", _with_fs(FileSystemReader.__init__, _LocalFs(url)))
+    with reads.straight_into([buf]) as r:
+        dcp.load(dict(views), checkpoint_id=tmp_path, no_dist=True)
+    for k in values():
+        assert torch.equal(views[k], want[k]), k
+    assert (r.tensors > 0) is straight and r.as_torch == 0
+
+
+def _with_fs(init, fs):
+    def with_fs(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.fs = fs
+    return with_fs

@@ -249,11 +249,12 @@ def test_the_load_call_site_prepares_the_engine_before_bridges_load(train_module
         assert torch.equal(inner.state[inner.param_groups[0]["params"][0]]["exp_avg_sq"], seen["read"])
     # where the load's time went, in one line per rank: before it, Bridge's own, and each part after it
     (said,) = [r.getMessage() for r in caplog_fgo.records if "the checkpoint load took" in r.getMessage()]
-    straight = (fr"; 1 tensor\(s\), [\d.]+ GiB \({seen['read'].numel() * 4} bytes\) read straight into the host buffer in [\d.]+ s "
-                r"\(1 thread\(s\)\)") if load_optim else ""
+    straight = (fr"; 1 tensor\(s\), [\d.]+ GiB \({seen['read'].numel() * 4} bytes\) read straight into the host "
+                r"buffer in [\d.]+ s \(1 thread\(s\)\)") if load_optim else ""
     found = re.search(r"took ([\d.]+) s here: bridge_fgo's preparation before it ([\d.]+) s, Megatron-Bridge's "
-                      fr"load [\d.]+ s \(torch's threads 1 -> 8 for it{straight}\), bridge_fgo's work after it [\d.]+ s "
-                      r"\(waiting for the registration [\d.]+ s, taking what the load bound elsewhere [\d.]+ s\)$", said)
+                      fr"load [\d.]+ s \(torch's threads 1 -> 8 for it{straight}\), bridge_fgo's work after it "
+                      r"[\d.]+ s \(waiting for the registration [\d.]+ s, taking what the load bound elsewhere "
+                      r"[\d.]+ s\)$", said)
     assert found and float(found[1]) >= float(found[2]) >= 0.2, said  # the session's preparation counted
     bridge_fgo.unpatch()
 

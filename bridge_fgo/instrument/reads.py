@@ -8,8 +8,8 @@ copy. That holds only where torch.load's own description of the item, read on th
 shape, strides and the offset of its bytes in the file: torch >= 2.7), says the bytes are the view's exactly,
 in this host's byte order; otherwise the item is read as torch reads it. Everything else goes through torch's
 own read_data, untouched: the model's weights and whatever lives on the GPU, BYTE_IO items, transformed
-(compressed) items, a reader over another file system, a planner that is not a DefaultLoadPlanner (Megatron-Core's
-MCoreLoadPlanner is one).
+(compressed) items, files that are not this host's (an object store's), a planner that is no DefaultLoadPlanner
+(Megatron-Core's MCoreLoadPlanner is one, so it is served).
 
 Importing this module does not import torch.
 """
@@ -23,7 +23,7 @@ import os
 import sys
 import time
 import zipfile
-from typing import Iterator, List, Optional, Set
+from typing import Dict, Iterator, List, Optional, Set
 
 from .. import hostmem
 from ..errors import BridgeFGOError
@@ -79,23 +79,23 @@ def _reader_class():
 
 def _read_data(prior, reader, plan, planner, keys: Set[int], reads: Reads):
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-    from torch.distributed.checkpoint.filesystem import FileSystem
 
-    if not isinstance(planner, DefaultLoadPlanner) or not isinstance(getattr(reader, "fs", None), FileSystem):
+    if not isinstance(planner, DefaultLoadPlanner) or getattr(reader, "fs", None) is None:
         return prior(reader, plan, planner)
-    ours = [req for req in plan.items if _ours(reader, planner, req, keys)]
+    files: Dict[str, Optional[str]] = {}
+    ours = [req for req in plan.items if _ours(reader, planner, req, keys, files)]
     if not ours:
         return prior(reader, plan, planner)
     t0 = time.perf_counter()
-    _read_straight(reader, planner, ours, keys, reads)
+    _read_straight(reader, planner, ours, keys, reads, files)
     reads.seconds += time.perf_counter() - t0
     taken = {id(req) for req in ours}
     return prior(reader, dataclasses.replace(plan, items=[r for r in plan.items if id(r) not in taken]), planner)
 
 
-def _ours(reader, planner, req, keys: Set[int]) -> bool:
-    """A tensor item, stored untransformed, whose target (looked up as DefaultLoadPlanner resolves it, without
-    its side effects) is a view of the host buffer."""
+def _ours(reader, planner, req, keys: Set[int], files: Dict[str, Optional[str]]) -> bool:
+    """A tensor item, stored untransformed in a file of this host, whose target (looked up as DefaultLoadPlanner
+    resolves it, without its side effects) is a view of the host buffer."""
     import torch
     from torch.distributed.checkpoint.planner import LoadItemType
 
@@ -103,6 +103,10 @@ def _ours(reader, planner, req, keys: Set[int]) -> bool:
         return False
     md = reader.storage_data.get(req.storage_index)
     if md is None or getattr(md, "transform_descriptors", None):
+        return False
+    if md.relative_path not in files:
+        files[md.relative_path] = _local_file(reader, md.relative_path)
+    if files[md.relative_path] is None:
         return False
     try:
         t = planner.lookup_tensor(req.dest_index)
@@ -112,16 +116,33 @@ def _ours(reader, planner, req, keys: Set[int]) -> bool:
             and t.untyped_storage().data_ptr() in keys)
 
 
-def _read_straight(reader, planner, reqs, keys: Set[int], reads: Reads) -> None:
+def _local_file(reader, relative_path: str) -> Optional[str]:
+    """The item's file as a path of this host's file system, or None: read by the reader's own file system. torch's
+    FileSystem is this host's; another (Multi-Storage Client's, which Megatron-Core 0.17 uses whenever it is
+    installed; fsspec's) only where its path is a local file, which it would open the same way."""
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    try:
+        path = os.fspath(reader.fs.concat_path(reader.path, relative_path))
+    except (TypeError, ValueError):  # an object store's path
+        return None
+    if not isinstance(path, str):
+        return None
+    if isinstance(reader.fs, FileSystem):
+        return path
+    return path if "://" not in path and os.path.isfile(path) else None
+
+
+def _read_straight(reader, planner, reqs, keys: Set[int], reads: Reads, files: Dict[str, Optional[str]]) -> None:
     """Each request's target resolved once, as torch's read_data would; the bytes read into it by offset, from a
     few threads (file order within each file); committed once all are in."""
     by_file = {}
     for req in reqs:
         by_file.setdefault(reader.storage_data[req.storage_index].relative_path, []).append(req)
     done, work = [], []
-    with contextlib.ExitStack() as files:
+    with contextlib.ExitStack() as opened:
         for relative_path, mine in by_file.items():
-            f = files.enter_context(open(reader.fs.concat_path(reader.path, relative_path), "rb", buffering=0))
+            f = opened.enter_context(open(files[relative_path], "rb", buffering=0))
             for req in sorted(mine, key=lambda r: reader.storage_data[r.storage_index].offset):
                 md = reader.storage_data[req.storage_index]
                 target = planner.resolve_tensor(req).detach()
@@ -131,7 +152,8 @@ def _read_straight(reader, planner, reqs, keys: Set[int], reads: Reads) -> None:
                     reads.as_torch += 1
                 else:
                     n = target.numel() * target.element_size()
-                    work += [(f.fileno(), off, dst, k) for off, dst, k in hostmem.spread.pieces([(at, target.data_ptr(), n)])]
+                    pieces = hostmem.spread.pieces([(at, target.data_ptr(), n)])
+                    work += [(f.fileno(), off, dst, k) for off, dst, k in pieces]
                     reads.tensors += 1
                     reads.nbytes += n
                 done.append((req, target))
