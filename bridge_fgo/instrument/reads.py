@@ -6,10 +6,11 @@ views of the pinned host buffer, so for a load the engine serves (callsites._loa
 such a view is read from the file straight into it, from a few threads (hostmem.spread): no fresh memory, no
 copy. That holds only where torch.load's own description of the item, read on the meta device (its dtype,
 shape, strides and the offset of its bytes in the file: torch >= 2.7), says the bytes are the view's exactly,
-in this host's byte order; otherwise the item is read as torch reads it. Everything else goes through torch's
-own read_data, untouched: the model's weights and whatever lives on the GPU, BYTE_IO items, transformed
-(compressed) items, files that are not this host's (an object store's), a planner that is no DefaultLoadPlanner
-(Megatron-Core's MCoreLoadPlanner is one, so it is served).
+in this host's byte order; otherwise the item is read as torch reads it. (torch.load checks no CRC-32 of a
+tensor's bytes either: a flipped byte loads silently there too, torch 2.13, so no check is given up.) Everything
+else goes through torch's own read_data, untouched: the model's weights and whatever lives on the GPU, BYTE_IO
+items, transformed (compressed) items, files that are not this host's (an object store's), a planner that is no
+DefaultLoadPlanner (Megatron-Core's MCoreLoadPlanner is one, so it is served).
 
 Importing this module does not import torch.
 """
