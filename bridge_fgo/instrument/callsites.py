@@ -70,10 +70,8 @@ def _say_load(times, laps, threads=None, straight=None) -> None:
     start, prepared, loaded, end = times
     parts = f" ({', '.join(f'{what} {s:.2f} s' for what, s in laps)})" if laps else ""
     notes = [f"torch's threads {threads[0]} -> {threads[1]} for it"] if threads and threads[0] != threads[1] else []
-    if straight is not None and straight.tensors:
-        notes.append(straight.describe())
-    if straight is not None and straight.as_torch:
-        notes.append(f"{straight.as_torch} tensor(s) of the host buffer read as torch reads them")
+    if straight is not None and (read := straight.describe()):
+        notes.append(read)
     said = f" ({'; '.join(notes)})" if notes else ""
     logger.info("%sthe checkpoint load took %.2f s here: bridge_fgo's preparation before it %.2f s, Megatron-Bridge's "
                 "load %.2f s%s, bridge_fgo's work after it %.2f s%s", rank_prefix(), end - start, prepared - start,

@@ -41,10 +41,14 @@ class Reads:
     as_torch: int = 0  # items of the buffer read as torch reads them (their bytes are not the view's as stored)
 
     def describe(self) -> str:
-        if not self.tensors:
-            return ""
-        return (f"{self.tensors} tensor(s), {hostmem.fmt_bytes(self.nbytes)} read straight into the host buffer in "
-                f"{self.seconds:.2f} s ({self.threads} thread(s))")
+        """For the load's per-rank line; empty where the load read nothing of the host buffer."""
+        said = []
+        if self.tensors:
+            said.append(f"{self.tensors} tensor(s), {hostmem.fmt_bytes(self.nbytes)} read straight into the host "
+                        f"buffer in {self.seconds:.2f} s ({self.threads} thread(s))")
+        if self.as_torch:
+            said.append(f"{self.as_torch} tensor(s) of the host buffer read as torch reads them")
+        return "; ".join(said)
 
 
 @contextlib.contextmanager
